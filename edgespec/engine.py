@@ -1,0 +1,194 @@
+"""Sessions, buffers and binding: runs lower, upper and head with the KV cache in place.
+
+Every KV buffer [1, kv_heads, max_context, head_dim] is allocated once on the provider's
+device and bound as both past and present of its GroupQueryAttention, which writes the new
+positions in place. The cache "length" is just the number of valid positions; rolling back
+is lowering it. Exit and final hidden states live in two device buffers of CHUNK rows that
+the graphs read and write through pointers, so the draft's lower-layer work can feed the
+verifier without a copy. The host sees only token ids, lengths and logits.
+"""
+import numpy as np
+import onnxruntime as ort
+
+from .artifact import Artifact
+from .errors import EdgespecError
+
+CHUNK = 256  # rows of the hidden-state buffers: the most tokens one call handles
+NUMPY_DTYPE = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def choose_provider(artifact: Artifact, device: str = "auto") -> str:
+    """CUDA when asked, or when automatic and the artifact was built for it and a GPU is there."""
+    available = ort.get_available_providers()
+    if device not in ("auto", "cpu", "cuda"):
+        raise EdgespecError(f"unknown device {device}; use auto, cpu or cuda")
+    if device == "cuda" and "CUDAExecutionProvider" not in available:
+        raise EdgespecError("--device cuda needs onnxruntime-gpu and a CUDA GPU; "
+                            f"this onnxruntime offers {', '.join(available)}")
+    wants_cuda = device == "cuda" or (device == "auto" and artifact.manifest.get("device") == "cuda")
+    return "CUDAExecutionProvider" if wants_cuda and "CUDAExecutionProvider" in available \
+        else "CPUExecutionProvider"
+
+
+class _Call:
+    """One graph bound for one shape: host inputs are numpy arrays the loop writes into."""
+
+    def __init__(self, session, binding, host):
+        self.session, self.binding, self.host = session, binding, host
+
+    def run(self):
+        self.session.run_with_iobinding(self.binding)
+
+
+class Engine:
+    def __init__(self, artifact: Artifact, device: str = "auto", threads: int = None):
+        self.artifact = artifact
+        self.provider = choose_provider(artifact, device)
+        self.device = "cuda" if self.provider == "CUDAExecutionProvider" else "cpu"
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads or 0  # 0: ONNX Runtime's default
+        options.log_severity_level = 3
+        self.sessions = {}
+        for name in ("lower", "upper", "head"):
+            try:
+                self.sessions[name] = ort.InferenceSession(str(artifact.graph(name)), options,
+                                                           providers=[self.provider])
+            except Exception as e:  # ORT raises its own types for bad graphs and data
+                raise EdgespecError(f"cannot load {artifact.graph(name)}: {e}") from e
+        a = artifact.arch
+        self.hidden_size, self.vocab_size = a["hidden_size"], a["vocab_size"]
+        self.max_context = artifact.max_context
+        self.dtype = NUMPY_DTYPE[self.sessions["upper"].get_inputs()[0].type]
+        kv_shape = [1, a["num_kv_heads"], self.max_context, a["head_dim"]]
+        self.kv = {name: self._alloc(kv_shape) for s in ("lower", "upper")
+                   for name in self._past_names(s)}
+        self.exit_states = self._alloc([1, CHUNK, self.hidden_size])
+        self.final_states = self._alloc([1, CHUNK, self.hidden_size])
+        self.lower_len = self.upper_len = 0  # valid positions in each KV cache
+        self._calls = {}
+
+    def _alloc(self, shape):
+        return ort.OrtValue.ortvalue_from_shape_and_type(shape, self.dtype, self.device, 0)
+
+    def _past_names(self, graph):
+        return [i.name for i in self.sessions[graph].get_inputs() if i.name.startswith("past_")]
+
+    def reset(self):
+        self.lower_len = self.upper_len = 0
+
+    # -- binding ---------------------------------------------------------------------------
+
+    def _rows(self, states: ort.OrtValue, first: int, count: int):
+        """(pointer, shape) of rows [first, first+count) of a hidden-state buffer."""
+        if first + count > CHUNK:
+            raise ValueError(f"rows {first}..{first + count} exceed the buffer of {CHUNK}")
+        offset = first * self.hidden_size * np.dtype(self.dtype).itemsize
+        return states.data_ptr() + offset, [1, count, self.hidden_size]
+
+    def _bind_states(self, binding, bind, name, states, first, count):
+        pointer, shape = self._rows(states, first, count)
+        bind(name, self.device, 0, self.dtype, shape, pointer)
+
+    def _layer_call(self, graph, count, first):
+        """lower: ids -> exit_states[first:]; upper: exit_states[:count] -> final_states[:count]."""
+        key = (graph, count, first)
+        call = self._calls.get(key)
+        if call is not None:
+            return call
+        session = self.sessions[graph]
+        binding = session.io_binding()
+        host = {"seqlens_k": np.zeros([1], np.int32), "total_seq_len": np.zeros([], np.int32)}
+        if graph == "lower":
+            host["input_ids"] = np.zeros([1, count], np.int64)
+            self._bind_states(binding, binding.bind_output, "exit_hidden", self.exit_states,
+                              first, count)
+        else:
+            self._bind_states(binding, binding.bind_input, "exit_hidden", self.exit_states,
+                              first, count)
+            self._bind_states(binding, binding.bind_output, "final_hidden", self.final_states,
+                              first, count)
+        for name, array in host.items():
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+        for past in self._past_names(graph):
+            binding.bind_ortvalue_input(past, self.kv[past])
+            binding.bind_ortvalue_output(past.replace("past_", "present_"), self.kv[past])
+        call = _Call(session, binding, host)
+        if count <= 16:  # decode and verify shapes recur; long prefill chunks do not
+            self._calls[key] = call
+        return call
+
+    def _head_call(self, states, rows):
+        key = ("head", id(states), rows)
+        call = self._calls.get(key)
+        if call is not None:
+            return call
+        session = self.sessions["head"]
+        binding = session.io_binding()
+        host = {"rows": np.arange(rows, dtype=np.int64),
+                "logits": np.zeros([1, rows, self.vocab_size], self.dtype)}
+        self._bind_states(binding, binding.bind_input, "hidden", states, 0, CHUNK)
+        binding.bind_ortvalue_input("rows", ort.OrtValue.ortvalue_from_numpy(host["rows"]))
+        binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(host["logits"]))
+        call = _Call(session, binding, host)
+        if rows <= 16:
+            self._calls[key] = call
+        return call
+
+    # -- the three graphs ------------------------------------------------------------------
+
+    def _check_room(self, cache_len, count):
+        if cache_len + count > self.max_context:
+            raise ContextFull(f"the context is full ({self.max_context} tokens)")
+
+    def lower(self, ids, first: int = 0):
+        """Run lower on len(ids) new tokens; exit states land in exit_states[first:]."""
+        count = len(ids)
+        self._check_room(self.lower_len, count)
+        call = self._layer_call("lower", count, first)
+        call.host["input_ids"][0] = ids
+        self.lower_len += count
+        call.host["seqlens_k"][0] = self.lower_len - 1
+        call.host["total_seq_len"][...] = self.lower_len
+        call.run()
+
+    def upper(self, count: int):
+        """Run upper on exit_states[:count]; final states land in final_states[:count]."""
+        self._check_room(self.upper_len, count)
+        call = self._layer_call("upper", count, 0)
+        self.upper_len += count
+        call.host["seqlens_k"][0] = self.upper_len - 1
+        call.host["total_seq_len"][...] = self.upper_len
+        call.run()
+
+    def head(self, states: ort.OrtValue, rows):
+        """Logits [len(rows), vocab] (a host array, reused by the next call) for rows of states."""
+        rows = list(rows)
+        call = self._head_call(states, len(rows))
+        call.host["rows"][:] = rows
+        call.run()
+        if self.device != "cpu":
+            call.binding.synchronize_outputs()
+        return call.host["logits"][0]
+
+    # -- prefill and one plain step ----------------------------------------------------------
+
+    def prefill(self, ids):
+        """Run the prompt through both halves in chunks; logits of its last token."""
+        ids = np.asarray(ids, dtype=np.int64)
+        self._check_room(self.lower_len, len(ids))
+        for start in range(0, len(ids), CHUNK):
+            chunk = ids[start:start + CHUNK]
+            self.lower(chunk)
+            self.upper(len(chunk))
+        return self.head(self.final_states, [len(chunk) - 1])[0]
+
+    def step(self, token: int):
+        """Plain decoding: one token through lower, upper and head; its next-token logits."""
+        self.lower([token])
+        self.upper(1)
+        return self.head(self.final_states, [0])[0]
+
+
+class ContextFull(EdgespecError):
+    """The KV cache has no room for more tokens."""
+

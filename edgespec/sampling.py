@@ -1,0 +1,83 @@
+"""Logits to tokens: repetition penalty, temperature, top-k, top-p, min-p, seeded draws.
+
+`distribution` is the single definition of "the model's distribution at a position given its
+history"; greedy decoding takes its argmax, sampling draws from it, and speculative sampling
+compares the draft's and the verifier's versions of it.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import EdgespecError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0       # 0: greedy
+    top_k: int = 0                 # 0: off
+    top_p: float = 1.0             # 1: off
+    min_p: float = 0.0             # 0: off
+    repetition_penalty: float = 1.0  # 1: off
+    seed: int = None
+
+    def __post_init__(self):
+        checks = [
+            ("temperature", self.temperature, self.temperature >= 0, "a number >= 0 (0 is greedy)"),
+            ("top-k", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0,
+             "an integer >= 0 (0 is off)"),
+            ("top-p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min-p", self.min_p, 0 <= self.min_p < 1, "in [0, 1)"),
+            ("repetition-penalty", self.repetition_penalty, self.repetition_penalty > 0,
+             "a number > 0 (1 is off)"),
+        ]
+        for name, value, ok, expected in checks:
+            if not ok or (isinstance(value, float) and not np.isfinite(value)):
+                raise EdgespecError(f"invalid {name} {value}: it must be {expected}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def penalize(logits: np.ndarray, history, penalty: float) -> np.ndarray:
+    """CTRL-style repetition penalty on every token already in the history."""
+    if penalty == 1.0 or len(history) == 0:
+        return logits
+    seen = np.unique(np.asarray(history, dtype=np.int64))
+    logits = logits.astype(np.float32, copy=True)
+    picked = logits[seen]
+    logits[seen] = np.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def distribution(logits: np.ndarray, history, params: SamplingParams) -> np.ndarray:
+    """Probabilities after penalty, temperature and the top-k / top-p / min-p filters."""
+    z = penalize(logits, history, params.repetition_penalty).astype(np.float64)
+    z = z / params.temperature
+    if params.top_k and params.top_k < z.size:
+        kth = np.partition(z, -params.top_k)[-params.top_k]
+        z[z < kth] = -np.inf
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        cumulative = np.cumsum(p[order])
+        cut = np.searchsorted(cumulative, params.top_p) + 1  # smallest set reaching top_p
+        p[order[cut:]] = 0.0
+    if params.min_p > 0.0:
+        p[p < params.min_p * p.max()] = 0.0
+    return p / p.sum()
+
+
+class Sampler:
+    """Chooses the next token; greedy is the argmax of the penalized logits."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray, history) -> int:
+        if self.params.greedy:
+            return int(np.argmax(penalize(logits, history, self.params.repetition_penalty)))
+        p = distribution(logits, history, self.params)
+        return int(self.rng.choice(p.size, p=p))

@@ -1,0 +1,223 @@
+"""Write the three graphs of an artifact directly from float weights.
+
+lower: token ids -> embeddings -> layers [0, E)  -> exit hidden h_E  (+ KV of layers < E)
+upper: h_E                     -> layers [E, N)  -> final hidden h_N (+ KV of layers >= E)
+head:  hidden rows             -> final norm -> lm_head -> logits
+
+The hidden states passed between graphs are the residual stream (before any norm), so the
+draft (head on h_E) and the verifier (head on h_N) share one head. Blocks use ONNX Runtime's
+LLM ops: GroupQueryAttention (rotary inside; past and present bound to one preallocated
+buffer), MatMulNBits (int4), SimplifiedLayerNormalization and its Skip variant.
+"""
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from .quantize import BLOCK, quantize_int4
+
+MS = "com.microsoft"
+OPSET = 21
+ACCURACY_LEVEL = 4  # MatMulNBits with int8 activations: the fast CPU kernel (DESIGN.md)
+ONNX_DTYPE = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
+              np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.int64): TensorProto.INT64,
+              np.dtype(np.int32): TensorProto.INT32}
+
+
+class Graph:
+    """Nodes, inputs, outputs and initializers of one ONNX graph under construction."""
+
+    def __init__(self, name: str, dtype=np.float32):
+        self.name, self.dtype = name, np.dtype(dtype)
+        self.nodes, self.inputs, self.outputs = [], [], []
+        self.initializers = {}  # name -> numpy array (names are shared across graphs)
+        self._count = 0
+
+    def input(self, name, elem, shape):
+        self.inputs.append(helper.make_tensor_value_info(name, ONNX_DTYPE[np.dtype(elem)], shape))
+        return name
+
+    def output(self, value, name, elem, shape):
+        self.op("Identity", [value], outputs=[name])
+        self.outputs.append(helper.make_tensor_value_info(name, ONNX_DTYPE[np.dtype(elem)], shape))
+
+    def weight(self, name, array, cast=True):
+        """An initializer; float weights stored in another dtype get a Cast (folded at load)."""
+        self.initializers[name] = np.ascontiguousarray(array)
+        if cast and array.dtype.kind == "f" and array.dtype != self.dtype:
+            return self.op("Cast", [name], to=ONNX_DTYPE[self.dtype])
+        return name
+
+    def op(self, op_type, inputs, outputs=None, n_out=1, domain=None, **attrs):
+        self._count += 1
+        if outputs is None:
+            outputs = [f"{op_type.lower()}_{self._count}_{i}" for i in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outputs, name=f"{op_type}_{self._count}",
+                                           domain=domain, **attrs))
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def model(self, initializers) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializers)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                       helper.make_opsetid(MS, 1)],
+                                 producer_name="edgespec")
+
+
+class Blocks:
+    """The model's math, one method per block, for a given architecture and precision."""
+
+    def __init__(self, arch, weights, precision, max_context):
+        self.arch, self.w, self.precision, self.max_context = arch, weights, precision, max_context
+        self.store = np.float16 if precision == "fp16" else np.float32
+        self.on_layer = lambda: None  # progress callback, once per layer built
+
+    def linear(self, g, x, name, w, bias=None):
+        """x @ w.T (+ bias); w is [out, in] as in Hugging Face checkpoints."""
+        n, k = w.shape
+        if self.precision == "int4":
+            q = quantize_int4(w)
+            inputs = [x, g.weight(f"{name}.qweight", q.packed),
+                      g.weight(f"{name}.scales", q.scales.astype(g.dtype)),
+                      g.weight(f"{name}.zero_points", q.zero_points)]
+            if bias is not None:
+                inputs += ["", g.weight(f"{name}.bias", bias.astype(g.dtype))]
+            return g.op("MatMulNBits", inputs, domain=MS, K=k, N=n, bits=4,
+                        block_size=BLOCK, accuracy_level=ACCURACY_LEVEL)
+        y = g.op("MatMul", [x, g.weight(f"{name}.weight", w.T.astype(self.store))])
+        if bias is not None:
+            y = g.op("Add", [y, g.weight(f"{name}.bias", bias.astype(self.store))])
+        return y
+
+    def rms_norm(self, g, x, name):
+        return g.op("SimplifiedLayerNormalization", [x, g.weight(name, self.w[name + ".weight"])],
+                    axis=-1, epsilon=self.arch.rms_norm_eps, stash_type=1)
+
+    def skip_rms_norm(self, g, x, residual, name):
+        """(norm(x + residual), x + residual) in one op."""
+        normed, _, _, total = g.op("SkipSimplifiedLayerNormalization",
+                                   [x, residual, g.weight(name, self.w[name + ".weight"])], n_out=4,
+                                   domain=MS, epsilon=self.arch.rms_norm_eps)
+        return normed, total
+
+    def attention(self, g, x, layer, seqlens_k, total_len, cos, sin):
+        a, p = self.arch, f"model.layers.{layer}.self_attn."
+        qkv_w = np.concatenate([self.w[p + f"{m}_proj.weight"] for m in "qkv"])
+        qkv_b = (np.concatenate([self.w[p + f"{m}_proj.bias"] for m in "qkv"])
+                 if a.attention_bias else None)
+        qkv = self.linear(g, x, f"layers.{layer}.qkv", qkv_w, qkv_b)
+        kv_shape = [1, a.num_kv_heads, "cache_len", a.head_dim]
+        past_k = g.input(f"past_key.{layer}", g.dtype, kv_shape)
+        past_v = g.input(f"past_value.{layer}", g.dtype, kv_shape)
+        out, present_k, present_v = g.op(
+            "GroupQueryAttention", [qkv, "", "", past_k, past_v, seqlens_k, total_len, cos, sin],
+            outputs=[f"attn_{layer}", f"present_key.{layer}", f"present_value.{layer}"],
+            domain=MS, num_heads=a.num_heads, kv_num_heads=a.num_kv_heads, do_rotary=1,
+            rotary_interleaved=0, local_window_size=self._window())
+        g.outputs += [helper.make_tensor_value_info(name, ONNX_DTYPE[g.dtype], kv_shape)
+                      for name in (present_k, present_v)]
+        return self.linear(g, out, f"layers.{layer}.o", self.w[p + "o_proj.weight"])
+
+    def _window(self):
+        window = self.arch.sliding_window
+        return window if 0 < window < self.max_context else -1
+
+    def mlp(self, g, x, layer):
+        p = f"model.layers.{layer}.mlp."
+        gate_up_w = np.concatenate([self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"]])
+        gate, up = g.op("Split", [self.linear(g, x, f"layers.{layer}.gate_up", gate_up_w)],
+                        n_out=2, axis=-1, num_outputs=2)
+        silu = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
+        return self.linear(g, g.op("Mul", [silu, up]), f"layers.{layer}.down",
+                           self.w[p + "down_proj.weight"])
+
+    def layers(self, g, hidden, first, last, seqlens_k, total_len):
+        """Decoder layers [first, last) on the residual stream; returns the new stream."""
+        cos, sin = (g.weight(name, table) for name, table in zip(("cos_cache", "sin_cache"),
+                                                                 self.rotary_tables(g.dtype)))
+        x = self.rms_norm(g, hidden, f"model.layers.{first}.input_layernorm")
+        residual, mlp_out = hidden, None
+        for layer in range(first, last):
+            if mlp_out is not None:
+                x, residual = self.skip_rms_norm(g, mlp_out, residual,
+                                                 f"model.layers.{layer}.input_layernorm")
+            attn = self.attention(g, x, layer, seqlens_k, total_len, cos, sin)
+            x, residual = self.skip_rms_norm(g, attn, residual,
+                                             f"model.layers.{layer}.post_attention_layernorm")
+            mlp_out = self.mlp(g, x, layer)
+            self.on_layer()
+        return g.op("Add", [mlp_out, residual])
+
+    def rotary_tables(self, dtype):
+        a = self.arch
+        inv_freq = 1.0 / a.rope_theta ** (np.arange(0, a.head_dim, 2, dtype=np.float64) / a.head_dim)
+        if a.rope_scaling.get("rope_type") == "llama3":
+            inv_freq = llama3_inv_freq(inv_freq, a.rope_scaling)
+        angles = np.outer(np.arange(self.max_context, dtype=np.float64), inv_freq)
+        return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+
+    def embedding(self, g, ids):
+        table = self.w["model.embed_tokens.weight"]
+        if self.precision != "int4":
+            return g.op("Gather", [g.weight("embed_tokens", table.astype(self.store)), ids], axis=0)
+        q = quantize_int4(table)
+        vocab = table.shape[0]
+        # the same bytes as the lm_head's MatMulNBits weight, viewed as [vocab, hidden/2]
+        return g.op("GatherBlockQuantized",
+                    [g.weight("embed_tokens.qweight", q.packed.reshape(vocab, -1)), ids,
+                     g.weight("embed_tokens.scales", q.scales.astype(g.dtype)),
+                     g.weight("embed_tokens.zero_points", q.zero_points)],
+                    domain=MS, bits=4, block_size=BLOCK, gather_axis=0, quantize_axis=1)
+
+    def lm_head(self, g, x):
+        if not self.arch.tie_word_embeddings:
+            return self.linear(g, x, "lm_head", self.w["lm_head.weight"])
+        table = self.w["model.embed_tokens.weight"]
+        if self.precision == "int4":
+            return self.linear(g, x, "embed_tokens", table)
+        # Gemm with transB reads the embedding table as stored: one copy for both uses
+        rows = g.op("Reshape", [x, g.weight("rows_by_hidden", np.array([-1, table.shape[1]]))])
+        logits = g.op("Gemm", [rows, g.weight("embed_tokens", table.astype(self.store))], transB=1)
+        return g.op("Unsqueeze", [logits, g.weight("axis_0", np.array([0]))])
+
+
+def llama3_inv_freq(inv_freq, scaling):
+    """Llama 3.1's frequency-dependent rope scaling."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return np.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def _length_inputs(g):
+    return (g.input("seqlens_k", np.int32, [1]), g.input("total_seq_len", np.int32, []))
+
+
+def build_lower(blocks: Blocks, exit_layer: int, dtype) -> Graph:
+    g = Graph("lower", dtype)
+    ids = g.input("input_ids", np.int64, [1, "seq"])
+    seqlens_k, total_len = _length_inputs(g)
+    hidden = blocks.layers(g, blocks.embedding(g, ids), 0, exit_layer, seqlens_k, total_len)
+    g.output(hidden, "exit_hidden", g.dtype, [1, "seq", blocks.arch.hidden_size])
+    return g
+
+
+def build_upper(blocks: Blocks, exit_layer: int, dtype) -> Graph:
+    g = Graph("upper", dtype)
+    hidden = g.input("exit_hidden", dtype, [1, "seq", blocks.arch.hidden_size])
+    seqlens_k, total_len = _length_inputs(g)
+    out = blocks.layers(g, hidden, exit_layer, blocks.arch.num_layers, seqlens_k, total_len)
+    g.output(out, "final_hidden", g.dtype, [1, "seq", blocks.arch.hidden_size])
+    return g
+
+
+def build_head(blocks: Blocks, dtype) -> Graph:
+    """Logits for the chosen rows of a hidden sequence (prefill needs only the last)."""
+    g = Graph("head", dtype)
+    hidden = g.input("hidden", dtype, [1, "seq", blocks.arch.hidden_size])
+    rows = g.input("rows", np.int64, ["rows"])
+    picked = g.op("Gather", [hidden, rows], axis=1)
+    logits = blocks.lm_head(g, blocks.rms_norm(g, picked, "model.norm"))
+    g.output(logits, "logits", g.dtype, [1, "rows", blocks.arch.vocab_size])
+    return g

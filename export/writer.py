@@ -1,0 +1,65 @@
+"""Write an artifact directory: graphs with external weights, tokenizer, manifest.
+
+Each weight is stored once. A tensor used by two graphs under the same name (the tied
+embedding table of lower and head, the rotary tables of lower and upper) is written into the
+data file of the first graph that has it; the other graph points at the same bytes.
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from edgespec.artifact import FORMAT_VERSION, MANIFEST, sha256_file
+
+from .graph import ONNX_DTYPE
+
+ALIGN = 4096  # page-aligned weights can be memory-mapped by ONNX Runtime
+
+
+def _external(name, array, location, offset):
+    tensor = TensorProto(name=name, data_type=ONNX_DTYPE[array.dtype], dims=array.shape)
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)),
+                       ("length", str(array.nbytes))):
+        tensor.external_data.add(key=key, value=value)
+    return tensor
+
+
+def write_graphs(graphs, out: Path):
+    """Write graph.onnx + graph.data for each graph; shared tensors are written once."""
+    stored = {}  # tensor name -> (location, offset, array) of its only copy
+    for g in graphs:
+        location = f"{g.name}.data"
+        initializers = []
+        with open(out / location, "wb") as data:
+            for name, array in g.initializers.items():
+                if array.dtype == np.int64:  # shape constants stay inline for shape inference
+                    initializers.append(numpy_helper.from_array(array, name))
+                    continue
+                if name in stored:
+                    loc, offset, first = stored[name]
+                    if first.tobytes() != array.tobytes():
+                        raise ValueError(f"tensor {name} differs between graphs")
+                else:
+                    data.write(b"\0" * (-data.tell() % ALIGN))
+                    loc, offset = location, data.tell()
+                    data.write(array.tobytes())
+                    stored[name] = (loc, offset, array)
+                initializers.append(_external(name, array, loc, offset))
+        onnx.save_model(g.model(initializers), out / f"{g.name}.onnx")
+
+
+def write_tokenizer(source, out: Path):
+    source.tokenizer.save_pretrained(out)
+    (out / "chat_template.jinja").write_text(source.chat_template)
+
+
+def write_manifest(out: Path, fields: dict):
+    """The manifest lists every other file in the directory with its size and sha256."""
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+             for p in sorted(out.iterdir()) if p.is_file() and p.name != MANIFEST}
+    manifest = {"format_version": FORMAT_VERSION, **fields, "files": files}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
