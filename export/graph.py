@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from .quantize import BLOCK, quantize_int4
+from .quantize import BLOCK, quantize_int4, quantize_int8
 
 MS = "com.microsoft"
 OPSET = 21
@@ -30,6 +30,7 @@ class Graph:
         self.name, self.dtype = name, np.dtype(dtype)
         self.nodes, self.inputs, self.outputs = [], [], []
         self.initializers = {}  # name -> numpy array (names are shared across graphs)
+        self.block_sums = {}  # input name -> its block sums, for int4 offsets
         self._count = 0
 
     def input(self, name, elem, shape):
@@ -76,16 +77,25 @@ class Blocks:
         if self.precision == "int4":
             q = quantize_int4(w)
             inputs = [x, g.weight(f"{name}.qweight", q.packed),
-                      g.weight(f"{name}.scales", q.scales.astype(g.dtype)),
-                      g.weight(f"{name}.zero_points", q.zero_points)]
+                      g.weight(f"{name}.scales", q.scales.astype(g.dtype))]
             if bias is not None:
-                inputs += ["", g.weight(f"{name}.bias", bias.astype(g.dtype))]
-            return g.op("MatMulNBits", inputs, domain=MS, K=k, N=n, bits=4,
-                        block_size=BLOCK, accuracy_level=ACCURACY_LEVEL)
+                inputs += ["", "", g.weight(f"{name}.bias", bias.astype(g.dtype))]
+            y = g.op("MatMulNBits", inputs, domain=MS, K=k, N=n, bits=4, block_size=BLOCK,
+                     accuracy_level=ACCURACY_LEVEL)
+            # stored [N, blocks] like the scales; the Transpose is folded when ORT loads
+            offsets = g.op("Transpose", [g.weight(f"{name}.offsets", q.offsets.astype(g.dtype))])
+            return g.op("Add", [y, g.op("MatMul", [self.block_sums(g, x, k), offsets])])
         y = g.op("MatMul", [x, g.weight(f"{name}.weight", w.T.astype(self.store))])
         if bias is not None:
             y = g.op("Add", [y, g.weight(f"{name}.bias", bias.astype(self.store))])
         return y
+
+    def block_sums(self, g, x, k):
+        """[.., K] -> [.., K/BLOCK]: the sum of each block of x (once per input, not per use)."""
+        if x not in g.block_sums:
+            ones = np.kron(np.eye(k // BLOCK, dtype=g.dtype), np.ones((BLOCK, 1), g.dtype))
+            g.block_sums[x] = g.op("MatMul", [x, g.weight(f"block_sum_{k}", ones)])
+        return g.block_sums[x]
 
     def rms_norm(self, g, x, name):
         return g.op("SimplifiedLayerNormalization", [x, g.weight(name, self.w[name + ".weight"])],
@@ -158,24 +168,28 @@ class Blocks:
         table = self.w["model.embed_tokens.weight"]
         if self.precision != "int4":
             return g.op("Gather", [g.weight("embed_tokens", table.astype(self.store)), ids], axis=0)
-        q = quantize_int4(table)
-        vocab = table.shape[0]
-        # the same bytes as the lm_head's MatMulNBits weight, viewed as [vocab, hidden/2]
+        q = quantize_int8(table)
+        # the same bytes as the lm_head's MatMulNBits weight, viewed as [vocab, hidden]
         return g.op("GatherBlockQuantized",
-                    [g.weight("embed_tokens.qweight", q.packed.reshape(vocab, -1)), ids,
-                     g.weight("embed_tokens.scales", q.scales.astype(g.dtype)),
-                     g.weight("embed_tokens.zero_points", q.zero_points)],
-                    domain=MS, bits=4, block_size=BLOCK, gather_axis=0, quantize_axis=1)
+                    [g.weight("embed_tokens.qweight", q.packed.reshape(table.shape[0], -1)), ids,
+                     g.weight("embed_tokens.scales", q.scales.astype(g.dtype))],
+                    domain=MS, bits=8, block_size=BLOCK, gather_axis=0, quantize_axis=1)
 
     def lm_head(self, g, x):
-        if not self.arch.tie_word_embeddings:
-            return self.linear(g, x, "lm_head", self.w["lm_head.weight"])
-        table = self.w["model.embed_tokens.weight"]
+        """Logits from normed hidden states. The vocabulary table is 8-bit in int4 artifacts:
+        it decides the top token, and 4 bits there cost the most agreement (DESIGN.md)."""
+        tied = self.arch.tie_word_embeddings
+        name = "embed_tokens" if tied else "lm_head"
+        table = self.w["model.embed_tokens.weight" if tied else "lm_head.weight"]
         if self.precision == "int4":
-            return self.linear(g, x, "embed_tokens", table)
-        # Gemm with transB reads the embedding table as stored: one copy for both uses
+            q = quantize_int8(table)
+            return g.op("MatMulNBits", [x, g.weight(f"{name}.qweight", q.packed),
+                                        g.weight(f"{name}.scales", q.scales.astype(g.dtype))],
+                        domain=MS, K=table.shape[1], N=table.shape[0], bits=8, block_size=BLOCK,
+                        accuracy_level=ACCURACY_LEVEL)
+        # Gemm with transB reads the table as stored: one copy for lookup and lm_head
         rows = g.op("Reshape", [x, g.weight("rows_by_hidden", np.array([-1, table.shape[1]]))])
-        logits = g.op("Gemm", [rows, g.weight("embed_tokens", table.astype(self.store))], transB=1)
+        logits = g.op("Gemm", [rows, g.weight(name, table.astype(self.store))], transB=1)
         return g.op("Unsqueeze", [logits, g.weight("axis_0", np.array([0]))])
 
 

@@ -84,9 +84,11 @@ def export_model(model=None, out=None, exit_layer=None, precision="int4", max_co
 
 def _summary(out, manifest, seconds, log):
     arch, files = manifest["architecture"], manifest["files"]
-    mb = {name: info["bytes"] / 1e6 for name, info in files.items()}
-    graphs = "  ".join(f"{g} {mb[g + '.onnx'] + mb.get(g + '.data', 0):.1f} MB"
-                       for g in ("lower", "upper", "head"))
+    sizes = "  ".join(f"{name} {files[name]['bytes'] / 1e6:.1f} MB" for name in
+                      ("lower.data", "upper.data", "head.data") if name in files)
+    shared = " (head reads the tied embedding table stored in lower.data)" \
+        if arch["tie_word_embeddings"] else ""
     log(f"exported {out}: {arch['model_type']}, {arch['num_layers']} layers, exit layer "
         f"{manifest['exit_layer']}, {manifest['precision']}, context {manifest['max_context']}\n"
-        f"  {graphs}  total {sum(mb.values()):.1f} MB  in {seconds:.0f} s")
+        f"  weights, each stored once: {sizes}{shared}\n"
+        f"  total {sum(f['bytes'] for f in files.values()) / 1e6:.1f} MB in {seconds:.0f} s")

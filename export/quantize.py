@@ -1,22 +1,29 @@
-"""Block-wise int4 quantization in the layout of ONNX Runtime's MatMulNBits.
+"""Block-wise 4-bit quantization with a float minimum per block (the GGUF Q4_1 scheme).
 
-A weight W [N, K] (out, in) is cut into blocks of BLOCK values along K. Each block gets a
-scale and a 4-bit zero point: w ~ (q - zp) * scale, q in 0..15 (round to nearest,
-asymmetric, zero exactly representable). The same bytes also feed GatherBlockQuantized, so a
-tied embedding table is quantized and stored once for both the lookup and the lm_head.
+A weight W [N, K] (out, in) is cut into blocks of BLOCK values along K; each block keeps a
+scale d and its minimum m, and every value becomes q in 0..15 with w = d * q + m. A GGUF
+Q4_1 tensor, dequantized, is on exactly this grid (its blocks run along K too), so
+quantizing it again gives back the same q, d and m: an int4 artifact of a Q4_1 GGUF computes
+with the GGUF's own weights.
+
+ONNX Runtime's MatMulNBits has integer zero points only, so the minimum is split off:
+w = d * (q - 8) + offset, offset = m + 8d. MatMulNBits computes the first term (8 is its
+default zero point) and the graph adds block_sums(x) @ offsets, where block_sums(x) sums
+each BLOCK-wide slice of the input.
 """
 from dataclasses import dataclass
 
 import numpy as np
 
 BLOCK = 32
+ZERO_POINT = 8  # MatMulNBits' and GatherBlockQuantized's default for 4 bits in uint8
 
 
 @dataclass
 class Int4Weight:
-    packed: np.ndarray       # uint8 [N, K/BLOCK, BLOCK/2], low nibble first
-    scales: np.ndarray       # float32 [N, K/BLOCK]
-    zero_points: np.ndarray  # uint8 [N, ceil(K/BLOCK/2)], packed like `packed`
+    packed: np.ndarray   # uint8 [N, K/BLOCK, BLOCK/2], low nibble first
+    scales: np.ndarray   # float32 [N, K/BLOCK]
+    offsets: np.ndarray  # float32 [N, K/BLOCK]: block minimum + ZERO_POINT * scale
 
     @property
     def shape(self):
@@ -24,32 +31,43 @@ class Int4Weight:
         return n, blocks * BLOCK
 
 
-def _pack_nibbles(q: np.ndarray) -> np.ndarray:
-    """Pack uint8 values < 16 pairwise along the last axis, the first in the low nibble."""
-    if q.shape[-1] % 2:
-        q = np.concatenate([q, np.zeros(q.shape[:-1] + (1,), np.uint8)], axis=-1)
-    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
-
-
 def quantize_int4(w: np.ndarray) -> Int4Weight:
     n, k = w.shape
     if k % BLOCK:
         raise ValueError(f"input dimension {k} is not a multiple of the block size {BLOCK}")
     blocks = w.astype(np.float32).reshape(n, k // BLOCK, BLOCK)
-    lo = np.minimum(blocks.min(-1), 0.0)
-    hi = np.maximum(blocks.max(-1), 0.0)
+    lo, hi = blocks.min(-1), blocks.max(-1)
     scales = (hi - lo) / 15.0
-    scales[scales == 0] = 1.0  # an all-zero block: any scale reproduces it
-    zero_points = np.clip(np.rint(-lo / scales), 0, 15)
-    q = np.clip(np.rint(blocks / scales[..., None]) + zero_points[..., None], 0, 15)
-    return Int4Weight(_pack_nibbles(q.astype(np.uint8)), scales.astype(np.float32),
-                      _pack_nibbles(zero_points.astype(np.uint8)))
+    scales[scales == 0] = 1.0  # a constant block: q = 0 and the minimum reproduce it
+    q = np.clip(np.rint((blocks - lo[..., None]) / scales[..., None]), 0, 15).astype(np.uint8)
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    return Int4Weight(packed, scales.astype(np.float32),
+                      (lo + ZERO_POINT * scales).astype(np.float32))
 
 
 def dequantize_int4(qw: Int4Weight) -> np.ndarray:
-    """The float weights MatMulNBits computes with; used by tests."""
-    low, high = qw.packed & 0x0F, qw.packed >> 4
-    q = np.stack([low, high], axis=-1).reshape(qw.packed.shape[0], qw.packed.shape[1], BLOCK)
-    zp = np.stack([qw.zero_points & 0x0F, qw.zero_points >> 4], axis=-1).reshape(q.shape[0], -1)
-    zp = zp[:, : q.shape[1]]
-    return ((q.astype(np.float32) - zp[..., None]) * qw.scales[..., None]).reshape(qw.shape)
+    """The float weights the graphs compute with; used by tests."""
+    q = np.stack([qw.packed & 0x0F, qw.packed >> 4], axis=-1).reshape(*qw.packed.shape[:2], BLOCK)
+    w = (q.astype(np.float32) - ZERO_POINT) * qw.scales[..., None] + qw.offsets[..., None]
+    return w.reshape(qw.shape)
+
+
+@dataclass
+class Int8Weight:
+    """Symmetric 8-bit blocks: w = scale * (q - 128), the GGUF Q8_0 grid (exact for Q8_0)."""
+    packed: np.ndarray  # uint8 [N, K/BLOCK, BLOCK]
+    scales: np.ndarray  # float32 [N, K/BLOCK]
+
+
+def quantize_int8(w: np.ndarray) -> Int8Weight:
+    n, k = w.shape
+    blocks = w.astype(np.float32).reshape(n, k // BLOCK, BLOCK)
+    scales = np.abs(blocks).max(-1) / 127.0
+    scales[scales == 0] = 1.0
+    q = np.clip(np.rint(blocks / scales[..., None]), -127, 127) + 128
+    return Int8Weight(q.astype(np.uint8), scales.astype(np.float32))
+
+
+def dequantize_int8(qw: Int8Weight) -> np.ndarray:
+    n, blocks, _ = qw.packed.shape
+    return ((qw.packed.astype(np.float32) - 128) * qw.scales[..., None]).reshape(n, blocks * BLOCK)

@@ -1,4 +1,6 @@
-"""A tiny random Llama-family checkpoint (model + tokenizer + chat template) made on the fly."""
+"""Test helpers: a tiny random Llama-family checkpoint made on the fly, and the CLI runner."""
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -42,3 +44,20 @@ def make_checkpoint(path: Path, arch: str = "llama", tie: bool = True, layers: i
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def quiet(*args, **kwargs):
+    """A log function that prints nothing."""
+
+
+def run_cli(*args, timeout=600):
+    """Run `python -m edgespec ARGS`; the completed process, with text output."""
+    return subprocess.run([sys.executable, "-m", "edgespec", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def one_error_line(stderr: str) -> str:
+    """The single `error: ...` line a failed command printed (fails if there is not exactly one)."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr
+    return errors[0]

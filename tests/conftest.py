@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random checkpoints and their artifacts, and the real SmolLM2 ones."""
+import pytest
+from helpers import make_checkpoint, quiet
+
+from export.pipeline import export_model
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("artifacts") / "tiny-fp32"
+    export_model(str(tiny_checkpoint), out, precision="fp32", log=quiet)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_int4(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("artifacts") / "tiny-int4"
+    export_model(str(tiny_checkpoint), out, precision="int4", log=quiet)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    from export.source import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(smollm2_gguf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("artifacts") / "smollm2-fp32"
+    export_model(str(smollm2_gguf), out, precision="fp32", max_context=1024, log=quiet)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_int4(smollm2_gguf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("artifacts") / "smollm2-int4"
+    export_model(None, out, precision="int4", max_context=1024, log=quiet)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_gguf):
+    """transformers' own model from the same GGUF: the numeric reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+

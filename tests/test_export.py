@@ -1,0 +1,126 @@
+"""`edgespec export`: the artifact's files, its manifest, weight sharing, int4 numerics."""
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from helpers import make_checkpoint, one_error_line, quiet, run_cli
+from transformers import AutoModelForCausalLM
+
+import edgespec
+import export.graph
+from edgespec.errors import EdgespecError
+from export.pipeline import export_model
+from export.quantize import (BLOCK, dequantize_int4, dequantize_int8, quantize_int4,
+                             quantize_int8)
+
+
+def external_tensors(artifact):
+    """graph -> {initializer name: (location, offset, length)} for weights stored in files."""
+    found = {}
+    for graph in ("lower", "upper", "head"):
+        model = onnx.load(artifact / f"{graph}.onnx", load_external_data=False)
+        found[graph] = {t.name: tuple(e.value for e in t.external_data)
+                        for t in model.graph.initializer if t.external_data}
+    return found
+
+
+def test_artifact_has_the_three_graphs_tokenizer_and_a_complete_manifest(tiny_int4):
+    manifest = json.loads((tiny_int4 / "manifest.json").read_text())
+    for name in ("lower.onnx", "upper.onnx", "head.onnx", "lower.data", "tokenizer.json",
+                 "chat_template.jinja"):
+        assert name in manifest["files"] and (tiny_int4 / name).is_file()
+    assert set(manifest["files"]) == {p.name for p in tiny_int4.iterdir()} - {"manifest.json"}
+    assert manifest["format_version"] == 1 and manifest["precision"] == "int4"
+    assert manifest["architecture"]["num_layers"] == 4
+    assert 1 <= manifest["exit_layer"] < 4
+    assert all(len(info["sha256"]) == 64 for info in manifest["files"].values())
+
+
+def test_every_weight_is_stored_once(tiny_int4):
+    tensors = external_tensors(tiny_int4)
+    places = [place for graph in tensors.values() for place in graph.values()]
+    by_name = {}
+    for graph in tensors.values():
+        for name, place in graph.items():
+            assert by_name.setdefault(name, place) == place, f"{name} is stored twice"
+    assert len(set(places)) == len(by_name)
+    # the tied embedding table: looked up by lower, multiplied by head, one copy on disk
+    assert "embed_tokens.qweight" in tensors["lower"] and "embed_tokens.qweight" in tensors["head"]
+    assert not (tiny_int4 / "head.data").exists() or tensors["head"].keys() - tensors["lower"].keys()
+
+
+@pytest.mark.parametrize("arch, tie", [("llama", True), ("qwen2", False)])
+def test_int4_graphs_compute_exactly_the_dequantized_model(arch, tie, tmp_path, monkeypatch):
+    # accuracy level 0 keeps activations in fp32, so only the weight layout is under test
+    monkeypatch.setattr(export.graph, "ACCURACY_LEVEL", 0)
+    checkpoint = make_checkpoint(tmp_path / "ckpt", arch=arch, tie=tie)
+    export_model(str(checkpoint), tmp_path / "a", precision="int4", log=quiet)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ids = [int(t) for t in np.random.default_rng(2).integers(5, 300, 20)]
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if p.dim() == 2:  # the vocabulary tables are 8-bit, every other matrix 4-bit
+                quantized = (dequantize_int8(quantize_int8(p.numpy()))
+                             if "embed" in name or "lm_head" in name
+                             else dequantize_int4(quantize_int4(p.numpy())))
+                p.copy_(torch.from_numpy(quantized))
+        want = reference(torch.tensor([ids])).logits[0].numpy()
+    engine = edgespec.load(tmp_path / "a").engine
+    engine.lower(np.array(ids))
+    engine.upper(len(ids))
+    got = engine.head(engine.final_states, range(len(ids)))
+    assert np.abs(got - want).max() < 1e-4
+
+
+def test_quantization_error_is_within_half_a_step():
+    w = np.random.default_rng(0).normal(size=(48, 4 * BLOCK)).astype(np.float32)
+    for quantize, dequantize in ((quantize_int4, dequantize_int4), (quantize_int8, dequantize_int8)):
+        q = quantize(w)
+        step = np.repeat(q.scales, BLOCK, axis=1)
+        assert np.all(np.abs(dequantize(q) - w) <= step / 2 + 1e-6)
+
+
+def test_weights_already_on_the_grid_come_back_exactly():
+    # a dequantized GGUF Q4_1 (or Q8_0) tensor is on the grid: quantizing it loses nothing
+    w = np.random.default_rng(1).normal(size=(16, 8 * BLOCK)).astype(np.float32)
+    for quantize, dequantize in ((quantize_int4, dequantize_int4), (quantize_int8, dequantize_int8)):
+        on_grid = dequantize(quantize(w))
+        np.testing.assert_allclose(dequantize(quantize(on_grid)), on_grid, rtol=0, atol=1e-6)
+
+
+def test_export_cli_prints_a_summary(tiny_checkpoint, tmp_path):
+    result = run_cli("export", tiny_checkpoint, "-o", tmp_path / "m", "--exit-layer", "2",
+                     "--precision", "fp16", "--max-context", "256")
+    assert result.returncode == 0, result.stderr
+    assert "4 layers, exit layer 2, fp16, context 256" in result.stderr
+    manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    assert (manifest["exit_layer"], manifest["max_context"]) == (2, 256)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    checkpoint = make_checkpoint(tmp_path / "ckpt", layers=2)
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "model_type": "gpt2",
+                                                        "architectures": ["GPT2LMHeadModel"]}))
+    result = run_cli("export", checkpoint, "-o", tmp_path / "out")
+    assert result.returncode != 0
+    assert "unsupported architecture gpt2; supported: llama, mistral, qwen2" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["no/such/dir/model.gguf"], "does not exist"),
+    (["./missing-checkpoint"], "does not exist"),
+])
+def test_a_model_path_that_does_not_exist_is_a_one_line_error(args, message, tmp_path):
+    result = run_cli("export", *args, "-o", tmp_path / "out")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert message in one_error_line(result.stderr)
+
+
+def test_exit_layer_out_of_range_is_refused(tiny_checkpoint, tmp_path):
+    with pytest.raises(EdgespecError, match="exit layer 4 is out of range"):
+        export_model(str(tiny_checkpoint), tmp_path / "x", exit_layer=4, log=quiet)
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,75 @@
+"""`edgespec generate` and the Python API: streaming, JSON, limits and bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import one_error_line, quiet, run_cli
+
+import edgespec
+from export.pipeline import export_model
+
+JSON_FIELDS = {"text", "tokens", "n_prompt", "n_generated", "prefill_s", "decode_s",
+               "decode_tokens_per_s", "mode"}
+
+
+def test_json_output_has_the_documented_fields(tiny_int4):
+    result = run_cli("generate", tiny_int4, "-p", "hello world", "--max-new-tokens", "12",
+                     "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert JSON_FIELDS <= out.keys()
+    assert out["n_generated"] == len(out["tokens"]) <= 12 and out["mode"] == "plain"
+
+
+def test_streamed_text_equals_the_json_text(tiny_int4):
+    args = ["generate", tiny_int4, "-p", "the quick brown fox", "--max-new-tokens", "16"]
+    streamed = run_cli(*args).stdout
+    as_json = json.loads(run_cli(*args, "--json").stdout)
+    assert streamed.rstrip("\n") == as_json["text"] and as_json["n_generated"] > 0
+
+
+def test_sampling_with_a_seed_is_reproducible(tiny_int4):
+    model = edgespec.load(tiny_int4)
+    runs = [model.generate("hello", max_new_tokens=16, temperature=1.0, top_p=0.9, seed=3).tokens
+            for _ in range(2)]
+    other = model.generate("hello", max_new_tokens=16, temperature=1.0, top_p=0.9, seed=4).tokens
+    assert runs[0] == runs[1] and other != runs[0]
+
+
+def test_the_runtime_works_without_torch_or_transformers(tiny_int4):
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
+            "import edgespec\n"
+            f"r = edgespec.load({str(tiny_int4)!r}).generate('hi', max_new_tokens=4)\n"
+            "print(r.n_generated)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) > 0
+
+
+def test_a_prompt_longer_than_the_context_is_refused(tiny_checkpoint, tmp_path):
+    export_model(str(tiny_checkpoint), tmp_path / "small", max_context=32, log=quiet)
+    result = run_cli("generate", tmp_path / "small", "-p", "fox " * 40)
+    assert result.returncode == 2
+    assert "context is 32; shorten the prompt" in one_error_line(result.stderr)
+
+
+def test_a_full_context_stops_the_reply_without_a_crash(tiny_checkpoint, tmp_path):
+    export_model(str(tiny_checkpoint), tmp_path / "small", max_context=32, log=quiet)
+    model = edgespec.load(tmp_path / "small")
+    model.stop_ids = set()
+    result = model.generate_ids(list(range(5, 25)), max_new_tokens=50)
+    assert result.finish_reason == "context_full"
+    assert result.n_prompt + result.n_generated == 33  # the last token needs no cache room
+
+
+@pytest.mark.parametrize("flag, value, name", [
+    ("--temperature", "-1", "temperature"), ("--top-p", "1.5", "top-p"),
+    ("--top-p", "0", "top-p"), ("--min-p", "2", "min-p"), ("--top-k", "-3", "top-k"),
+    ("--repetition-penalty", "0", "repetition-penalty"), ("--max-new-tokens", "0",
+                                                          "max-new-tokens"),
+])
+def test_invalid_sampling_values_are_one_line_errors(tiny_int4, flag, value, name):
+    result = run_cli("generate", tiny_int4, "-p", "hi", flag, value)
+    assert result.returncode == 2
+    assert f"invalid {name}" in one_error_line(result.stderr)

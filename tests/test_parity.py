@@ -1,0 +1,91 @@
+"""The exported graphs compute the same model as transformers (tiny random checkpoints)."""
+import numpy as np
+import pytest
+import torch
+from helpers import make_checkpoint, quiet
+from transformers import AutoModelForCausalLM
+
+import edgespec
+from export.pipeline import export_model
+
+
+def reference_logits(checkpoint, ids):
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def artifact_logits(model, ids, prefill):
+    """Logits at every position: `prefill` tokens in one pass, then one token per step."""
+    engine = model.engine
+    engine.reset()
+    engine.lower(np.array(ids[:prefill]))
+    engine.upper(prefill)
+    rows = [engine.head(engine.final_states, range(prefill)).copy()]
+    rows += [engine.step(t)[None].copy() for t in ids[prefill:]]
+    return np.concatenate(rows)
+
+
+def prompt(n, seed=0):
+    return [int(t) for t in np.random.default_rng(seed).integers(5, 300, n)]
+
+
+@pytest.fixture(scope="module", params=["llama-tied", "qwen2-untied"])
+def checkpoint_and_artifact(request, tmp_path_factory):
+    arch, tie = request.param.split("-")
+    checkpoint = make_checkpoint(tmp_path_factory.mktemp(request.param), arch=arch,
+                                 tie=tie == "tied", seed=1)
+    out = tmp_path_factory.mktemp("artifacts") / request.param
+    export_model(str(checkpoint), out, precision="fp32", exit_layer=2, log=quiet)
+    return checkpoint, edgespec.load(out)
+
+
+def test_fp32_logits_match_transformers_in_prefill_and_decode(checkpoint_and_artifact):
+    checkpoint, model = checkpoint_and_artifact
+    ids = prompt(24)
+    want = reference_logits(checkpoint, ids)
+    got = artifact_logits(model, ids, prefill=10)
+    assert np.abs(got - want).max() < 1e-4
+
+
+def test_fp32_greedy_tokens_match_transformers_generate(checkpoint_and_artifact):
+    checkpoint, model = checkpoint_and_artifact
+    ids = prompt(12, seed=3)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = reference.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    model.stop_ids = set()  # compare all 32 tokens, even past an end-of-turn token
+    got = model.generate_ids(ids, max_new_tokens=32).tokens
+    assert len(set(want)) > 4, "the reference continuation is too degenerate to tell anything"
+    assert got == want
+
+
+def test_prefill_longer_than_a_chunk_matches_transformers(tiny_checkpoint, tiny_fp32):
+    from edgespec.engine import CHUNK
+    ids = prompt(CHUNK + 40, seed=5)
+    model = edgespec.load(tiny_fp32)
+    model.engine.reset()
+    got = model.engine.prefill(ids)
+    want = reference_logits(tiny_checkpoint, ids)[-1]
+    assert np.abs(got - want).max() < 1e-4
+
+
+def test_rolling_back_the_cache_length_reproduces_logits(tiny_fp32):
+    model = edgespec.load(tiny_fp32)
+    engine, ids = model.engine, prompt(16, seed=7)
+    engine.reset()
+    engine.prefill(ids)
+    first = [engine.step(t).copy() for t in (11, 12, 13)]
+    engine.lower_len -= 3  # forget the three steps without touching the buffers
+    engine.upper_len -= 3
+    again = [engine.step(t).copy() for t in (11, 12, 13)]
+    np.testing.assert_array_equal(np.array(first), np.array(again))
+
+
+def test_kv_buffers_are_allocated_once_and_reused(tiny_fp32):
+    model = edgespec.load(tiny_fp32)
+    pointers = {name: value.data_ptr() for name, value in model.engine.kv.items()}
+    model.generate_ids(prompt(8), max_new_tokens=20)
+    model.generate_ids(prompt(30), max_new_tokens=20)
+    assert {name: value.data_ptr() for name, value in model.engine.kv.items()} == pointers

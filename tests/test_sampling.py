@@ -1,0 +1,56 @@
+"""Logits to tokens: parameter checks, filters, penalties, seeds, and the sampled frequencies."""
+import numpy as np
+import pytest
+
+from edgespec.errors import EdgespecError
+from edgespec.sampling import Sampler, SamplingParams, distribution, penalize
+
+LOGITS = np.log(np.array([0.4, 0.3, 0.15, 0.1, 0.05], dtype=np.float32))
+
+
+@pytest.mark.parametrize("field, value, name", [
+    ("temperature", -0.5, "temperature"), ("top_p", 0.0, "top-p"), ("top_p", 1.5, "top-p"),
+    ("top_k", -1, "top-k"), ("min_p", 1.0, "min-p"), ("repetition_penalty", 0.0,
+                                                      "repetition-penalty"),
+    ("temperature", float("nan"), "temperature"),
+])
+def test_invalid_parameters_are_refused_by_name(field, value, name):
+    with pytest.raises(EdgespecError, match=f"invalid {name}"):
+        SamplingParams(**{field: value})
+
+
+def test_greedy_takes_the_argmax():
+    assert Sampler(SamplingParams())(LOGITS, []) == 0
+
+
+def test_temperature_one_keeps_the_model_distribution():
+    p = distribution(LOGITS, [], SamplingParams(temperature=1.0))
+    np.testing.assert_allclose(p, [0.4, 0.3, 0.15, 0.1, 0.05], rtol=1e-5)
+
+
+def test_top_k_top_p_and_min_p_cut_the_tail():
+    assert np.count_nonzero(distribution(LOGITS, [], SamplingParams(1.0, top_k=2))) == 2
+    # 0.4 + 0.3 = 0.7 reaches top_p = 0.7: two tokens stay
+    assert np.count_nonzero(distribution(LOGITS, [], SamplingParams(1.0, top_p=0.7))) == 2
+    # min_p 0.3: tokens below 0.3 * 0.4 = 0.12 go
+    assert np.count_nonzero(distribution(LOGITS, [], SamplingParams(1.0, min_p=0.3))) == 3
+
+
+def test_repetition_penalty_lowers_tokens_already_seen():
+    logits = np.array([2.0, -1.0, 0.5], dtype=np.float32)
+    np.testing.assert_allclose(penalize(logits, [0, 1], 2.0), [1.0, -2.0, 0.5])
+    assert Sampler(SamplingParams(repetition_penalty=10.0))(LOGITS, [0]) == 1
+
+
+def test_the_same_seed_draws_the_same_tokens():
+    first, second = Sampler(SamplingParams(1.0, seed=7)), Sampler(SamplingParams(1.0, seed=7))
+    draws = [first(LOGITS, []) for _ in range(50)]
+    assert draws == [second(LOGITS, []) for _ in range(50)] and len(set(draws)) > 1
+
+
+def test_sampled_frequencies_match_the_distribution():
+    sampler, n = Sampler(SamplingParams(temperature=1.0, seed=0)), 20000
+    counts = np.bincount([sampler(LOGITS, []) for _ in range(n)], minlength=5)
+    expected = n * np.array([0.4, 0.3, 0.15, 0.1, 0.05])
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 18.47  # chi-square, 4 degrees of freedom, p = 0.001
