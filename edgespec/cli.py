@@ -1,7 +1,8 @@
-"""The `edgespec` command: export, generate."""
+"""The `edgespec` command: export, generate, bench."""
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .errors import EdgespecError
 
@@ -10,6 +11,7 @@ EXAMPLES = """examples:
   edgespec export path/to/model.gguf -o models/mine
   edgespec generate models/smollm2-135m-instruct -p "Name three primes."
   edgespec generate models/smollm2-135m-instruct -p "Hi" --temperature 0.7 --seed 1 --json
+  edgespec bench models/smollm2-135m-instruct --prompts ../shared/data/spec_bench_dev.jsonl --per-category 3
 """
 
 
@@ -47,7 +49,7 @@ def _generate_args(sub, common):
     p.add_argument("-p", "--prompt", required=True, help="the user message (or raw text with --raw)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="default: 256")
     p.add_argument("--plain", action="store_true",
-                   help="plain decoding (the only mode until speculative decoding lands)")
+                   help="plain decoding (default: self-speculative, the same output when greedy)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--system", help="a system message for the chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -57,10 +59,67 @@ def _generate_args(sub, common):
                    help="drop tokens below min-p times the likeliest (0: off)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 (default) is off")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    _draft_args(p)
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object (text, tokens, timings) instead of streaming")
+                   help="print one JSON object (text, tokens, timings, statistics) instead of "
+                   "streaming")
+    p.add_argument("--stats", action="store_true",
+                   help="print the draft statistics line (acceptance, tokens/round, time shares)")
     _runtime_args(p)
     p.set_defaults(run=_generate)
+
+
+def _draft_args(p):
+    p.add_argument("--draft-k", type=int, default=None,
+                   help="the most draft tokens per round (default: the artifact's)")
+    p.add_argument("--draft-threshold", type=float, default=None,
+                   help="stop drafting when the draft's top probability falls below this "
+                   "(adaptive length; default: the artifact's, 0 is off)")
+
+
+def _bench_args(sub, common):
+    p = sub.add_parser("bench", parents=[common], help="plain vs speculative on a prompt set",
+                       description="For each prompt (first turn, chat template, greedy): plain "
+                       "decoding, then speculative, same artifact, same process. Prints a table "
+                       "per category (median speedup, share of identical outputs, acceptance).")
+    p.add_argument("artifact", help="an artifact directory made by `edgespec export`")
+    p.add_argument("--prompts", help="a JSONL file of {question_id, category, turns} "
+                   "(default: a small built-in set; Spec-Bench's question.jsonl works)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
+    p.add_argument("--limit", type=int, help="at most this many prompts")
+    p.add_argument("--per-category", type=int, help="the N lowest question ids of each category")
+    p.add_argument("--categories", nargs="+", help="only these categories")
+    p.add_argument("--json", metavar="OUT", help="write per-prompt results and summaries here")
+    p.add_argument("--plot", metavar="OUT.png", help="bar chart of speedup and acceptance")
+    _draft_args(p)
+    _runtime_args(p)
+    p.set_defaults(run=_bench)
+
+
+def _bench(args):
+    from . import bench
+    from .model import load
+    rows = bench.load_prompts(args.prompts, args.limit, args.per_category, args.categories)
+    if not rows:
+        raise EdgespecError("no prompts selected")
+    model = load(args.artifact, device=args.device, threads=args.threads,
+                 verify=not args.no_verify)
+    draft = {"draft_k": args.draft_k, "draft_threshold": args.draft_threshold}
+    policy = model.draft_policy(**draft)
+    results = bench.run(model, rows, args.max_new_tokens, draft)
+    summaries = bench.summarize(results)
+    print(f"{args.artifact}: exit layer {model.artifact.exit_layer}, draft k {policy.k}, "
+          f"threshold {policy.threshold}, {args.max_new_tokens} new tokens, greedy")
+    print(bench.table(summaries))
+    if args.json:
+        settings = {"artifact": str(args.artifact), "exit_layer": model.artifact.exit_layer,
+                    "draft_k": policy.k, "draft_threshold": policy.threshold,
+                    "max_new_tokens": args.max_new_tokens, "threads": args.threads}
+        Path(args.json).write_text(json.dumps({"settings": settings, "prompts": results,
+                                               "summary": summaries}, indent=1))
+    if args.plot:
+        bench.plot(summaries, args.plot, f"{Path(args.artifact).name}: exit "
+                   f"{model.artifact.exit_layer}, k {policy.k}")
 
 
 def _runtime_args(p):
@@ -84,14 +143,14 @@ def _export(args):
 
 def _generate(args):
     from .model import load
+    from .speculative import SpecStats
     model = load(args.artifact, device=args.device, threads=args.threads,
                  verify=not args.no_verify)
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
     result = model.generate(args.prompt, max_new_tokens=args.max_new_tokens, raw=args.raw,
-                            system=args.system, mode="plain", on_text=stream,
-                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                            seed=args.seed)
+                            system=args.system, mode="plain" if args.plain else "speculative",
+                            on_text=stream, draft_k=args.draft_k,
+                            draft_threshold=args.draft_threshold, **_sampling(args))
     if args.json:
         print(json.dumps(result.to_dict()))
         return
@@ -101,6 +160,14 @@ def _generate(args):
               file=sys.stderr)
     print(f"[{result.n_prompt} prompt tokens, {result.n_generated} generated, "
           f"{result.decode_tokens_per_s:.1f} tokens/s, {result.mode}]", file=sys.stderr)
+    if args.stats and result.mode == "speculative":
+        print(SpecStats(**{k: result.stats[k] for k in SpecStats.__dataclass_fields__}).line(),
+              file=sys.stderr)
+
+
+def _sampling(args) -> dict:
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
 
 
 def parser():
@@ -111,6 +178,7 @@ def parser():
     sub = p.add_subparsers(dest="command", required=True)
     _export_args(sub, _common(argparse.SUPPRESS))
     _generate_args(sub, _common(argparse.SUPPRESS))
+    _bench_args(sub, _common(argparse.SUPPRESS))
     return p
 
 

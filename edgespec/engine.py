@@ -2,10 +2,17 @@
 
 Every KV buffer [1, kv_heads, max_context, head_dim] is allocated once on the provider's
 device and bound as both past and present of its GroupQueryAttention, which writes the new
-positions in place. The cache "length" is just the number of valid positions; rolling back
-is lowering it. Exit and final hidden states live in two device buffers of CHUNK rows that
-the graphs read and write through pointers, so the draft's lower-layer work can feed the
-verifier without a copy. The host sees only token ids, lengths and logits.
+positions in place. A cache's "length" is the number of valid positions; rolling back is
+lowering it. The exit hidden state of every position lives in one more buffer indexed the
+same way (LayerSkip's exit query cache): lower writes a position's row, upper and the draft
+head read it, so the draft's lower-layer work is the verifier's. The host sees only token
+ids, lengths and logits.
+
+Losslessness rule: upper never runs a single row after the first position. ONNX Runtime's
+CPU GroupQueryAttention takes another GEMM path for one query row than for several, which
+changes the last bits, and int8 activations downstream turn those bits into different
+tokens. Every multi-row call gives a row the same bits, so a lone row is run together with
+the position before it (recomputed, its KV rewritten with the same values). See DESIGN.md.
 """
 import numpy as np
 import onnxruntime as ort
@@ -14,7 +21,7 @@ from onnxruntime.capi import _pybind_state as ort_state
 from .artifact import Artifact
 from .errors import EdgespecError
 
-CHUNK = 256  # rows of the hidden-state buffers: the most tokens one call handles
+CHUNK = 256  # the most positions one call handles (prefill is cut into chunks)
 NUMPY_DTYPE = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
@@ -82,8 +89,8 @@ class Engine:
         kv_shape = [1, a["num_kv_heads"], self.max_context, a["head_dim"]]
         self.kv = {name: self._alloc(kv_shape) for s in ("lower", "upper")
                    for name in self._past_names(s)}
-        self.exit_states = self._alloc([1, CHUNK, self.hidden_size])
-        self.final_states = self._alloc([1, CHUNK, self.hidden_size])
+        self.exit_states = self._alloc([1, self.max_context, self.hidden_size])  # by position
+        self.final_states = self._alloc([1, CHUNK + 1, self.hidden_size])  # by row of a call
         self.lower_len = self.upper_len = 0  # valid positions in each KV cache
         self._calls = {}
 
@@ -98,21 +105,15 @@ class Engine:
 
     # -- binding ---------------------------------------------------------------------------
 
-    def _rows(self, states: ort.OrtValue, first: int, count: int):
-        """(pointer, shape) of rows [first, first+count) of a hidden-state buffer."""
-        if first + count > CHUNK:
-            raise ValueError(f"rows {first}..{first + count} exceed the buffer of {CHUNK}")
+    def _bind_rows(self, bind, name, states: ort.OrtValue, first: int, count: int):
+        """Bind rows [first, first+count) of a hidden-state buffer, in place, by pointer."""
         offset = first * self.hidden_size * np.dtype(self.dtype).itemsize
-        return states.data_ptr() + offset, [1, count, self.hidden_size]
+        bind(name, self.device, 0, self.dtype, [1, count, self.hidden_size],
+             states.data_ptr() + offset)
 
-    def _bind_states(self, binding, bind, name, states, first, count):
-        pointer, shape = self._rows(states, first, count)
-        bind(name, self.device, 0, self.dtype, shape, pointer)
-
-    def _layer_call(self, graph, count, first):
-        """lower: ids -> exit_states[first:]; upper: exit_states[:count] -> final_states[:count]."""
-        key = (graph, count, first)
-        call = self._calls.get(key)
+    def _layer_call(self, graph, count):
+        """lower or upper bound for `count` rows: KV buffers and host inputs, bound once."""
+        call = self._calls.get((graph, count))
         if call is not None:
             return call
         session = self.sessions[graph]
@@ -120,13 +121,8 @@ class Engine:
         host = {"seqlens_k": np.zeros([1], np.int32), "total_seq_len": np.zeros([], np.int32)}
         if graph == "lower":
             host["input_ids"] = np.zeros([1, count], np.int64)
-            self._bind_states(binding, binding.bind_output, "exit_hidden", self.exit_states,
-                              first, count)
         else:
-            self._bind_states(binding, binding.bind_input, "exit_hidden", self.exit_states,
-                              first, count)
-            self._bind_states(binding, binding.bind_output, "final_hidden", self.final_states,
-                              first, count)
+            self._bind_rows(binding.bind_output, "final_hidden", self.final_states, 0, count)
         for name, array in host.items():
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
         for past in self._past_names(graph):
@@ -134,7 +130,7 @@ class Engine:
             binding.bind_ortvalue_output(past.replace("past_", "present_"), self.kv[past])
         call = _Call(session, binding, host)
         if count <= 16:  # decode and verify shapes recur; long prefill chunks do not
-            self._calls[key] = call
+            self._calls[(graph, count)] = call
         return call
 
     def _head_call(self, states, rows):
@@ -146,7 +142,7 @@ class Engine:
         binding = session.io_binding()
         host = {"rows": np.arange(rows, dtype=np.int64),
                 "logits": np.zeros([1, rows, self.vocab_size], self.dtype)}
-        self._bind_states(binding, binding.bind_input, "hidden", states, 0, CHUNK)
+        self._bind_rows(binding.bind_input, "hidden", states, 0, states.shape()[1])
         binding.bind_ortvalue_input("rows", ort.OrtValue.ortvalue_from_numpy(host["rows"]))
         binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(host["logits"]))
         call = _Call(session, binding, host)
@@ -160,28 +156,41 @@ class Engine:
         if cache_len + count > self.max_context:
             raise ContextFull(f"the context is full ({self.max_context} tokens)")
 
-    def lower(self, ids, first: int = 0):
-        """Run lower on len(ids) new tokens; exit states land in exit_states[first:]."""
+    @staticmethod
+    def _set_lengths(call, first, count):
+        call.host["seqlens_k"][0] = first + count - 1
+        call.host["total_seq_len"][...] = first + count
+
+    def lower(self, ids):
+        """Run lower on len(ids) new tokens; their exit states land at their positions."""
         count = len(ids)
         self._check_room(self.lower_len, count)
-        call = self._layer_call("lower", count, first)
+        call = self._layer_call("lower", count)
         call.host["input_ids"][0] = ids
+        self._bind_rows(call.binding.bind_output, "exit_hidden", self.exit_states,
+                        self.lower_len, count)
+        self._set_lengths(call, self.lower_len, count)
+        call.run()
         self.lower_len += count
-        call.host["seqlens_k"][0] = self.lower_len - 1
-        call.host["total_seq_len"][...] = self.lower_len
-        call.run()
 
-    def upper(self, count: int):
-        """Run upper on exit_states[:count]; final states land in final_states[:count]."""
+    def upper(self, count: int) -> int:
+        """Run upper on the next `count` positions' exit states (lower ran them already).
+
+        Returns the row of final_states that holds the first of them (1 when the position
+        before was run along, see the module's losslessness rule)."""
         self._check_room(self.upper_len, count)
-        call = self._layer_call("upper", count, 0)
-        self.upper_len += count
-        call.host["seqlens_k"][0] = self.upper_len - 1
-        call.host["total_seq_len"][...] = self.upper_len
+        anchor = 1 if count == 1 and self.upper_len > 0 else 0
+        first, rows = self.upper_len - anchor, count + anchor
+        call = self._layer_call("upper", rows)
+        self._bind_rows(call.binding.bind_input, "exit_hidden", self.exit_states, first, rows)
+        self._set_lengths(call, first, rows)
         call.run()
+        self.upper_len += count
+        return anchor
 
     def head(self, states: ort.OrtValue, rows):
-        """Logits [len(rows), vocab] (a host array, reused by the next call) for rows of states."""
+        """Logits [len(rows), vocab] (a host array, reused by the next call) for rows of
+        `states`: positions of exit_states (draft) or rows of final_states (verifier)."""
         rows = list(rows)
         call = self._head_call(states, len(rows))
         call.host["rows"][:] = rows
@@ -199,16 +208,14 @@ class Engine:
         for start in range(0, len(ids), CHUNK):
             chunk = ids[start:start + CHUNK]
             self.lower(chunk)
-            self.upper(len(chunk))
-        return self.head(self.final_states, [len(chunk) - 1])[0]
+            first = self.upper(len(chunk))
+        return self.head(self.final_states, [first + len(chunk) - 1])[0]
 
     def step(self, token: int):
         """Plain decoding: one token through lower, upper and head; its next-token logits."""
         self.lower([token])
-        self.upper(1)
-        return self.head(self.final_states, [0])[0]
+        return self.head(self.final_states, [self.upper(1)])[0]
 
 
 class ContextFull(EdgespecError):
     """The KV cache has no room for more tokens."""
-

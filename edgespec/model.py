@@ -3,13 +3,14 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .artifact import open_artifact
-from .decode import plain_decode
+from .decode import plain_rounds
 from .engine import ContextFull, Engine
 from .errors import EdgespecError
 from .sampling import Sampler, SamplingParams
+from .speculative import DraftPolicy, SpecStats, SpeculativeDecoder
 from .tokenizer import StreamDecoder, TextCodec
 
-MODES = ("plain",)
+MODES = ("speculative", "plain")
 
 
 @dataclass
@@ -57,16 +58,26 @@ class Model:
         return self.codec.encode_chat(messages)
 
     def generate(self, prompt: str, max_new_tokens: int = 256, raw: bool = False,
-                 system: str = None, mode: str = "plain", on_text=None, **sampling) -> Generation:
+                 system: str = None, mode: str = "speculative", on_text=None,
+                 **options) -> Generation:
         """Reply to `prompt` (chat template applied unless raw). `on_text` gets text pieces as
-        they are decoded. Sampling keywords: temperature, top_k, top_p, min_p,
-        repetition_penalty, seed (see SamplingParams)."""
+        they are decoded. Options: temperature, top_k, top_p, min_p, repetition_penalty, seed
+        (see SamplingParams); draft_k, draft_threshold (see DraftPolicy)."""
         return self.generate_ids(self.encode(prompt, raw, system), max_new_tokens, mode,
-                                 on_text, **sampling)
+                                 on_text, **options)
 
-    def generate_ids(self, prompt_ids: list, max_new_tokens: int = 256, mode: str = "plain",
-                     on_text=None, **sampling) -> Generation:
+    def draft_policy(self, draft_k=None, draft_threshold=None) -> DraftPolicy:
+        """The artifact's default draft policy, with any of its values overridden."""
+        default = self.artifact.manifest.get("draft", {})
+        return DraftPolicy(k=default.get("k", 4) if draft_k is None else draft_k,
+                           threshold=default.get("threshold", 0.0) if draft_threshold is None
+                           else draft_threshold)
+
+    def generate_ids(self, prompt_ids: list, max_new_tokens: int = 256,
+                     mode: str = "speculative", on_text=None, draft_k=None,
+                     draft_threshold=None, **sampling) -> Generation:
         params = SamplingParams(**sampling)
+        policy = self.draft_policy(draft_k, draft_threshold)
         if mode not in MODES:
             raise EdgespecError(f"unknown mode {mode}; available: {', '.join(MODES)}")
         if max_new_tokens < 1:
@@ -76,22 +87,38 @@ class Model:
         self.engine.reset()
         first_logits = self.engine.prefill(prompt_ids)
         prefill_s = time.perf_counter() - start
-        history, stream = list(prompt_ids), StreamDecoder(self.codec)
+        history, stream, stats = list(prompt_ids), StreamDecoder(self.codec), SpecStats()
+        if mode == "plain":
+            rounds = plain_rounds(self.engine, Sampler(params), first_logits, history,
+                                  max_new_tokens)
+        else:
+            decoder = SpeculativeDecoder(self.engine, params, policy, stats)
+            rounds = decoder.rounds(first_logits, history, max_new_tokens)
         tokens, finish = [], "length"
         try:
-            for token in plain_decode(self.engine, first_logits, history, max_new_tokens,
-                                      Sampler(params), self.stop_ids):
-                tokens.append(token)
-                piece = stream.push(token)
-                if on_text and piece and token not in self.stop_ids:
-                    on_text(piece)
-                if token in self.stop_ids:
-                    finish = "stop"
+            for committed in rounds:
+                finish = self._take(committed, tokens, max_new_tokens, stream, on_text)
+                if finish:
+                    break
         except ContextFull:
             finish = "context_full"
         decode_s = time.perf_counter() - start - prefill_s
         return Generation(self.codec.decode(tokens), tokens, len(prompt_ids), prefill_s,
-                          decode_s, mode, finish)
+                          decode_s, mode, finish or "length",
+                          stats.to_dict() if mode == "speculative" else {})
+
+    def _take(self, committed, tokens, max_new_tokens, stream, on_text):
+        """Append a round's tokens, streaming their text; "stop"/"length" when done."""
+        for token in committed:
+            tokens.append(token)
+            if token in self.stop_ids:
+                return "stop"
+            piece = stream.push(token)
+            if on_text and piece:
+                on_text(piece)
+            if len(tokens) == max_new_tokens:
+                return "length"
+        return None
 
     def _check_prompt(self, prompt_ids):
         limit = self.engine.max_context

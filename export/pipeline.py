@@ -16,6 +16,7 @@ from .writer import write_graphs, write_manifest, write_tokenizer
 
 PRECISIONS = ("int4", "fp16", "fp32")
 DEFAULT_MAX_CONTEXT = 4096
+DEFAULT_DRAFT_K = 4  # until calibration measures a better policy
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -66,6 +67,7 @@ def export_model(model=None, out=None, exit_layer=None, precision="int4", max_co
         "source": {"model": source.origin, "sha256": source.sha256},
         "architecture": arch.to_dict(),
         "exit_layer": exit_layer,
+        "draft": {"k": DEFAULT_DRAFT_K, "threshold": 0.0},
         "precision": precision,
         "activation_dtype": np.dtype(dtype).name,
         "device": device,

@@ -1,5 +1,6 @@
 """`edgespec generate` and the Python API: streaming, JSON, limits and bad input."""
 import json
+import re
 import subprocess
 import sys
 
@@ -10,7 +11,9 @@ import edgespec
 from export.pipeline import export_model
 
 JSON_FIELDS = {"text", "tokens", "n_prompt", "n_generated", "prefill_s", "decode_s",
-               "decode_tokens_per_s", "mode"}
+               "decode_tokens_per_s", "mode", "finish_reason", "stats"}
+STATS_FIELDS = {"rounds", "drafted", "accepted", "acceptance", "tokens_per_round", "draft_s",
+                "verify_s", "head_s", "sampling_s"}
 
 
 def test_json_output_has_the_documented_fields(tiny_int4):
@@ -18,8 +21,23 @@ def test_json_output_has_the_documented_fields(tiny_int4):
                      "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    assert JSON_FIELDS <= out.keys()
-    assert out["n_generated"] == len(out["tokens"]) <= 12 and out["mode"] == "plain"
+    assert JSON_FIELDS <= out.keys() and STATS_FIELDS <= out["stats"].keys()
+    assert out["n_generated"] == len(out["tokens"]) <= 12 and out["mode"] == "speculative"
+
+
+def test_plain_and_speculative_cli_runs_print_the_same_greedy_text(tiny_int4):
+    args = ["generate", tiny_int4, "-p", "the lazy dog", "--max-new-tokens", "24", "--json"]
+    plain = json.loads(run_cli(*args, "--plain").stdout)
+    spec = json.loads(run_cli(*args, "--draft-k", "3").stdout)
+    assert plain["mode"] == "plain" and spec["mode"] == "speculative"
+    assert plain["tokens"] == spec["tokens"]
+
+
+def test_stats_prints_the_acceptance_line(tiny_int4):
+    result = run_cli("generate", tiny_int4, "-p", "hello", "--max-new-tokens", "16", "--stats")
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"accepted \d+/\d+ \([\d.]+%\), [\d.]+ tokens/round, draft \d+% "
+                     r"verify \d+% head \d+% sampling \d+%", result.stderr)
 
 
 def test_streamed_text_equals_the_json_text(tiny_int4):
@@ -68,6 +86,7 @@ def test_a_full_context_stops_the_reply_without_a_crash(tiny_checkpoint, tmp_pat
     ("--top-p", "0", "top-p"), ("--min-p", "2", "min-p"), ("--top-k", "-3", "top-k"),
     ("--repetition-penalty", "0", "repetition-penalty"), ("--max-new-tokens", "0",
                                                           "max-new-tokens"),
+    ("--draft-k", "0", "draft-k"), ("--draft-threshold", "-0.1", "draft-threshold"),
 ])
 def test_invalid_sampling_values_are_one_line_errors(tiny_int4, flag, value, name):
     result = run_cli("generate", tiny_int4, "-p", "hi", flag, value)

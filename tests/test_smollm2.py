@@ -72,3 +72,14 @@ def test_int4_top1_agrees_with_fp32_along_its_continuations(smollm2_int4, fp32, 
 def test_int4_chat_reply_is_text(smollm2_int4):
     reply = edgespec.load(smollm2_int4).generate(PROMPTS[0], max_new_tokens=48)
     assert reply.n_generated > 3 and any(c.isalpha() for c in reply.text)
+
+
+def test_int4_speculative_greedy_equals_plain_on_bench_prompts(smollm2_int4):
+    from edgespec.bench import load_prompts
+    model = edgespec.load(smollm2_int4)
+    rows = load_prompts(per_category=1)[:8]
+    for row, k in zip(rows, [2, 4, 6, 3, 5, 2, 4, 6]):
+        ids = model.encode(row["turns"][0])
+        plain = model.generate_ids(ids, 128, mode="plain")
+        spec = model.generate_ids(ids, 128, draft_k=k)
+        assert spec.tokens == plain.tokens, f"prompt {row['question_id']} ({row['category']}), k {k}"

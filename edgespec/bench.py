@@ -1,0 +1,138 @@
+"""`edgespec bench`: plain vs speculative decoding, same artifact, same prompts, one process.
+
+Per prompt (first turn, chat template, greedy): plain, then speculative. Speedup is the ratio
+of their decode tokens/s; identical says whether the two produced the same tokens.
+"""
+import json
+import statistics
+import sys
+from collections import defaultdict
+from importlib import resources
+from pathlib import Path
+
+from .errors import EdgespecError
+
+
+def default_prompts() -> Path:
+    return Path(str(resources.files("edgespec") / "data" / "prompts.jsonl"))
+
+
+def load_prompts(path=None, limit=None, per_category=None, categories=None) -> list:
+    """Rows of a Spec-Bench style JSONL file (question_id, category, turns)."""
+    path = Path(path) if path else default_prompts()
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        raise EdgespecError(f"prompts file {path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise EdgespecError(f"{path} is not JSON lines ({e})") from e
+    if not all({"question_id", "category", "turns"} <= row.keys() for row in rows):
+        raise EdgespecError(f"{path}: every line needs question_id, category and turns")
+    rows.sort(key=lambda row: row["question_id"])
+    if categories:
+        unknown = set(categories) - {row["category"] for row in rows}
+        if unknown:
+            raise EdgespecError(f"no prompts of category {', '.join(sorted(unknown))} in {path}")
+        rows = [row for row in rows if row["category"] in categories]
+    if per_category:
+        kept, seen = [], defaultdict(int)
+        for row in rows:
+            seen[row["category"]] += 1
+            if seen[row["category"]] <= per_category:
+                kept.append(row)
+        rows = kept
+    return rows[:limit] if limit else rows
+
+
+def bench_prompt(model, row, max_new_tokens, **draft) -> dict:
+    ids = model.encode(row["turns"][0])
+    if len(ids) + max_new_tokens >= model.engine.max_context:
+        raise EdgespecError(f"prompt {row['question_id']} has {len(ids)} tokens: too long for "
+                            f"the context of {model.engine.max_context} with "
+                            f"{max_new_tokens} new tokens")
+    plain = model.generate_ids(ids, max_new_tokens, mode="plain")
+    spec = model.generate_ids(ids, max_new_tokens, mode="speculative", **draft)
+    return {"question_id": row["question_id"], "category": row["category"],
+            "n_prompt": len(ids), "n_generated": spec.n_generated,
+            "plain_tokens_per_s": plain.decode_tokens_per_s,
+            "spec_tokens_per_s": spec.decode_tokens_per_s,
+            "speedup": spec.decode_tokens_per_s / plain.decode_tokens_per_s
+            if plain.decode_tokens_per_s else 0.0,
+            "identical": spec.tokens == plain.tokens,
+            "acceptance": spec.stats["acceptance"],
+            "tokens_per_round": spec.stats["tokens_per_round"],
+            "time_shares": _shares(spec.stats)}
+
+
+def _shares(stats) -> dict:
+    parts = {k: stats[f"{k}_s"] for k in ("draft", "verify", "head", "sampling")}
+    total = sum(parts.values()) or 1.0
+    return {k: v / total for k, v in parts.items()}
+
+
+def summarize(results) -> dict:
+    """Per category and overall: medians and the fraction of identical outputs."""
+    groups = defaultdict(list)
+    for r in results:
+        groups[r["category"]].append(r)
+    groups["overall"] = list(results)
+
+    def summary(rows):
+        return {"prompts": len(rows),
+                "median_speedup": statistics.median(r["speedup"] for r in rows),
+                "identical": sum(r["identical"] for r in rows) / len(rows),
+                "median_plain_tokens_per_s": statistics.median(r["plain_tokens_per_s"] for r in rows),
+                "median_spec_tokens_per_s": statistics.median(r["spec_tokens_per_s"] for r in rows),
+                "median_acceptance": statistics.median(r["acceptance"] for r in rows),
+                "median_tokens_per_round": statistics.median(r["tokens_per_round"] for r in rows)}
+    return {name: summary(rows) for name, rows in groups.items()}
+
+
+def table(summaries) -> str:
+    head = (f"{'category':16} {'n':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} "
+            f"{'identical':>9} {'accept':>7} {'tok/round':>9}")
+    lines = [head, "-" * len(head)]
+    for name, s in summaries.items():
+        if name == "overall":
+            lines.append("-" * len(head))
+        lines.append(f"{name:16} {s['prompts']:>3} {s['median_plain_tokens_per_s']:>11.1f} "
+                     f"{s['median_spec_tokens_per_s']:>10.1f} {s['median_speedup']:>7.2f}x "
+                     f"{100 * s['identical']:>8.0f}% {100 * s['median_acceptance']:>6.1f}% "
+                     f"{s['median_tokens_per_round']:>9.2f}")
+    return "\n".join(lines)
+
+
+def plot(summaries, out, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise EdgespecError("--plot needs matplotlib: pip install matplotlib") from None
+    names = list(summaries)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6, 0.7 * len(names)), 6), sharex=True)
+    top.bar(names, [summaries[n]["median_speedup"] for n in names], color="tab:blue")
+    top.axhline(1.0, color="gray", linewidth=1)
+    top.set_ylabel("median speedup (x)")
+    top.set_title(title)
+    bottom.bar(names, [100 * summaries[n]["median_acceptance"] for n in names], color="tab:green")
+    bottom.set_ylabel("median acceptance (%)")
+    bottom.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def run(model, rows, max_new_tokens, draft, progress=sys.stderr) -> list:
+    """Bench every row, printing a progress line per prompt."""
+    model.generate("Hello", max_new_tokens=8)  # warm up sessions and allocators
+    results = []
+    for i, row in enumerate(rows, 1):
+        results.append(bench_prompt(model, row, max_new_tokens, **draft))
+        r = results[-1]
+        bar = "#" * (20 * i // len(rows))
+        print(f"\r[{bar:20}] {i}/{len(rows)}  {r['category']:14} {r['question_id']:>4}: "
+              f"{r['speedup']:.2f}x, {'identical' if r['identical'] else 'DIFFERENT'}   ",
+              end="", file=progress, flush=True)
+    print(file=progress)
+    return results

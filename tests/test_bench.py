@@ -1,0 +1,55 @@
+"""`edgespec bench` end to end on the tiny model, and its prompt selection."""
+import json
+
+import pytest
+from helpers import one_error_line, run_cli
+
+from edgespec.bench import load_prompts
+from edgespec.errors import EdgespecError
+
+PROMPT_FIELDS = {"question_id", "category", "plain_tokens_per_s", "spec_tokens_per_s",
+                 "speedup", "identical", "acceptance", "tokens_per_round"}
+
+
+def test_bench_writes_table_json_and_plot(tiny_int4, tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = run_cli("bench", tiny_int4, "--per-category", "1", "--categories", "qa", "math",
+                     "--max-new-tokens", "16", "--json", out, "--plot", png, "--draft-k", "3")
+    assert result.returncode == 0, result.stderr
+    assert "overall" in result.stdout and "speedup" in result.stdout
+    report = json.loads(out.read_text())
+    assert [p["category"] for p in report["prompts"]] == ["math", "qa"]
+    assert all(PROMPT_FIELDS <= p.keys() for p in report["prompts"])
+    assert all(p["identical"] for p in report["prompts"])  # greedy: lossless
+    assert report["summary"]["overall"]["prompts"] == 2 and report["settings"]["draft_k"] == 3
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_per_category_takes_the_lowest_question_ids(tmp_path):
+    lines = [{"question_id": i, "category": "ab"[i % 2], "turns": [f"q{i}"]} for i in (9, 4, 7, 2, 5)]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    picked = load_prompts(path, per_category=2)
+    assert [(r["category"], r["question_id"]) for r in picked] == [("a", 2), ("a", 4),
+                                                                   ("b", 5), ("b", 7)]
+    assert len(load_prompts(path, limit=3)) == 3
+
+
+def test_the_built_in_prompt_set_covers_the_categories():
+    categories = {row["category"] for row in load_prompts()}
+    assert {"writing", "coding", "math_reasoning", "summarization", "rag", "qa"} <= categories
+
+
+@pytest.mark.parametrize("content, message", [("{oops", "not JSON lines"),
+                                              ('{"question_id": 1}', "needs question_id")])
+def test_a_bad_prompts_file_is_named(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(EdgespecError, match=message):
+        load_prompts(path)
+
+
+def test_an_unknown_category_is_a_one_line_error(tiny_int4):
+    result = run_cli("bench", tiny_int4, "--categories", "poetry")
+    assert result.returncode == 2
+    assert "no prompts of category poetry" in one_error_line(result.stderr)

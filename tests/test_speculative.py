@@ -1,0 +1,126 @@
+"""The speculative loop is lossless: greedy output equals plain greedy output token for token,
+and sampled output has exactly the verifier's distribution."""
+import itertools
+
+import numpy as np
+import pytest
+from helpers import make_checkpoint, quiet
+
+import edgespec
+from edgespec.errors import EdgespecError
+from edgespec.sampling import SamplingParams, distribution
+from export.pipeline import export_model
+
+
+@pytest.fixture(scope="module", params=[1, 3])
+def tiny_model(request, tiny_checkpoint, tmp_path_factory):
+    """The tiny model with a poor draft (exit after layer 1 of 4) and a better one (3)."""
+    out = tmp_path_factory.mktemp("artifacts") / f"exit{request.param}"
+    export_model(str(tiny_checkpoint), out, exit_layer=request.param, log=quiet)
+    model = edgespec.load(out)
+    model.stop_ids = set()  # random models end turns at random: compare whole lengths
+    return model
+
+
+def prompt(seed, n=12):
+    return [int(t) for t in np.random.default_rng(seed).integers(5, 300, n)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_greedy_speculative_equals_plain_over_seeds(tiny_model, k):
+    for seed in range(8):
+        ids = prompt(seed)
+        plain = tiny_model.generate_ids(ids, max_new_tokens=40, mode="plain").tokens
+        spec = tiny_model.generate_ids(ids, max_new_tokens=40, draft_k=k)
+        assert spec.tokens == plain, f"seed {seed}, k {k}"
+        assert spec.stats["rounds"] > 0 and spec.stats["drafted"] > 0
+
+
+def test_greedy_equality_holds_with_repetition_penalty_and_adaptive_drafts(tiny_model):
+    options = dict(repetition_penalty=1.3, draft_k=5, draft_threshold=0.02)
+    for seed in range(4):
+        ids = prompt(100 + seed)
+        plain = tiny_model.generate_ids(ids, 40, mode="plain", repetition_penalty=1.3)
+        assert tiny_model.generate_ids(ids, 40, **options).tokens == plain.tokens
+
+
+def test_a_full_context_stops_both_modes_at_the_same_token(tiny_checkpoint, tmp_path):
+    export_model(str(tiny_checkpoint), tmp_path / "small", max_context=40, log=quiet)
+    model = edgespec.load(tmp_path / "small")
+    model.stop_ids = set()
+    plain = model.generate_ids(prompt(1, 30), max_new_tokens=30, mode="plain")
+    spec = model.generate_ids(prompt(1, 30), max_new_tokens=30, draft_k=4)
+    assert spec.finish_reason == plain.finish_reason == "context_full"
+    assert spec.tokens == plain.tokens
+
+
+def exact_joint(model, ids, params, length):
+    """The verifier's probability of every continuation of `length` tokens (plain steps)."""
+    table = {}
+    engine = model.engine
+
+    def walk(prefix, prob, logits):
+        p = distribution(logits, ids + list(prefix), params)
+        for token in np.flatnonzero(p):
+            path, mass = prefix + (int(token),), prob * p[token]
+            if len(path) == length:
+                table[path] = mass
+                continue
+            engine.lower_len = engine.upper_len = len(ids) + len(prefix)
+            walk(path, mass, engine.step(int(token)).copy())
+
+    engine.reset()
+    walk((), 1.0, engine.prefill(ids).copy())
+    return table
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=3),
+                                    SamplingParams(temperature=0.9, top_k=4, top_p=0.95,
+                                                   min_p=0.02, repetition_penalty=1.2)])
+def test_speculative_sampling_has_the_verifiers_joint_distribution(tiny_model, params):
+    ids, length, n = prompt(7), 3, 3000
+    expected = exact_joint(tiny_model, ids, params, length)
+    options = {f: getattr(params, f) for f in ("temperature", "top_k", "top_p", "min_p",
+                                               "repetition_penalty")}
+    counts = {}
+    for seed in range(n):
+        path = tuple(tiny_model.generate_ids(ids, length, seed=seed, draft_k=3, **options).tokens)
+        counts[path] = counts.get(path, 0) + 1
+    assert set(counts) <= set(expected), "sampled a continuation the verifier cannot produce"
+    # chi-square over cells with enough expected mass, the rest pooled
+    cells = sorted(expected, key=expected.get, reverse=True)
+    big = [c for c in cells if expected[c] * n >= 5]
+    observed = [counts.get(c, 0) for c in big] + [n - sum(counts.get(c, 0) for c in big)]
+    wanted = [expected[c] * n for c in big] + [n - sum(expected[c] * n for c in big)]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, wanted) if e > 0)
+    dof = len(big)
+    # p = 0.001 critical value by the Wilson-Hilferty approximation
+    critical = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < critical, f"chi2 {chi2:.1f} over {dof} dof (critical {critical:.1f})"
+
+
+def test_statistics_count_rounds_drafts_and_acceptance(tiny_model):
+    result = tiny_model.generate_ids(prompt(3), max_new_tokens=30, draft_k=3)
+    s = result.stats
+    assert s["rounds"] >= 1 and 0 <= s["accepted"] <= s["drafted"] <= 3 * s["rounds"]
+    # every round commits its accepted drafts plus one verifier token; the first from prefill
+    assert s["accepted"] + s["rounds"] + 1 >= result.n_generated
+    assert s["tokens_per_round"] == pytest.approx((s["accepted"] + s["rounds"]) / s["rounds"])
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(draft_k=0), "invalid draft-k"), (dict(draft_k=99), "invalid draft-k"),
+    (dict(draft_threshold=1.5), "invalid draft-threshold"),
+])
+def test_invalid_draft_options_are_refused(tiny_model, options, message):
+    with pytest.raises(EdgespecError, match=message):
+        tiny_model.generate_ids(prompt(0), 5, **options)
+
+
+def test_rollback_leaves_the_kv_buffers_in_place(tiny_model):
+    pointers = {name: value.data_ptr() for name, value in tiny_model.engine.kv.items()}
+    exit_states = tiny_model.engine.exit_states.data_ptr()
+    for k, seed in itertools.product((2, 5), range(2)):
+        tiny_model.generate_ids(prompt(seed), 30, draft_k=k)
+    assert {n: v.data_ptr() for n, v in tiny_model.engine.kv.items()} == pointers
+    assert tiny_model.engine.exit_states.data_ptr() == exit_states
