@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL_DIR := models/smollm2-135m-instruct
 
-.PHONY: install demo test clean
+.PHONY: install xvfb demo test clean
 
 $(BIN)/edgespec: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,13 @@ $(MODEL_DIR)/manifest.json: | $(BIN)/edgespec
 demo: $(MODEL_DIR)/manifest.json
 	$(BIN)/edgespec generate $(MODEL_DIR) -p "What is speculative decoding? Answer in two sentences." --max-new-tokens 96
 
-test: install
+# the desktop example's test draws its window on a virtual screen
+xvfb:
+	@command -v Xvfb >/dev/null || apt-get install -y -qq xvfb >/dev/null 2>&1 || \
+	  (apt-get update -qq >/dev/null && apt-get install -y -qq xvfb >/dev/null) || \
+	  echo "could not install Xvfb: apt-get install xvfb, for the desktop test"
+
+test: install xvfb
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -1,4 +1,4 @@
-"""The `edgespec` command: export, generate, bench."""
+"""The `edgespec` command: export, chat, generate, bench, serve."""
 import argparse
 import json
 import sys
@@ -8,10 +8,12 @@ from .errors import EdgespecError
 
 EXAMPLES = """examples:
   edgespec export                          # the bundled SmolLM2-135M-Instruct -> models/smollm2-135m-instruct
+  edgespec chat models/smollm2-135m-instruct --show-drafts
   edgespec export path/to/model.gguf -o models/mine
   edgespec generate models/smollm2-135m-instruct -p "Name three primes."
   edgespec generate models/smollm2-135m-instruct -p "Hi" --temperature 0.7 --seed 1 --json
   edgespec bench models/smollm2-135m-instruct --prompts ../shared/data/spec_bench_dev.jsonl --per-category 3
+  edgespec serve models/smollm2-135m-instruct --port 8000
 """
 
 
@@ -52,13 +54,7 @@ def _generate_args(sub, common):
                    help="plain decoding (default: self-speculative, the same output when greedy)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--system", help="a system message for the chat template")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="drop tokens below min-p times the likeliest (0: off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 (default) is off")
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    _sampling_args(p)
     _draft_args(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, tokens, timings, statistics) instead of "
@@ -67,6 +63,48 @@ def _generate_args(sub, common):
                    help="print the draft statistics line (acceptance, tokens/round, time shares)")
     _runtime_args(p)
     p.set_defaults(run=_generate)
+
+
+def _sampling_args(p):
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below min-p times the likeliest (0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 (default) is off")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+
+
+def _chat_args(sub, common):
+    p = sub.add_parser("chat", parents=[common], help="streaming chat in the terminal",
+                       description="A streaming multi-turn chat. The KV cache is kept between "
+                       "turns, so a new turn prefills only its new tokens. Type /help inside.")
+    p.add_argument("artifact", help="an artifact directory made by `edgespec export`")
+    p.add_argument("--system", help="a system message")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="per reply (default: 512)")
+    p.add_argument("--plain", action="store_true", help="plain decoding instead of speculative")
+    p.add_argument("--show-drafts", action="store_true",
+                   help="colour the text that came from accepted drafts")
+    _sampling_args(p)
+    _draft_args(p)
+    _runtime_args(p)
+    p.set_defaults(run=_chat)
+
+
+def _chat(args):
+    from . import chat
+    from .model import load
+    from .sampling import SamplingParams
+    settings = {**_sampling(args), "max_new_tokens": args.max_new_tokens,
+                "mode": "plain" if args.plain else "speculative"}
+    SamplingParams(**_sampling(args))  # refuse bad values before loading
+    model = load(args.artifact, device=args.device, threads=args.threads,
+                 verify=not args.no_verify)
+    model.draft_policy(args.draft_k, args.draft_threshold)
+    for name in ("draft_k", "draft_threshold"):
+        if getattr(args, name) is not None:
+            settings[name] = getattr(args, name)
+    chat.run(model, settings, system=args.system, show_drafts=args.show_drafts)
 
 
 def _draft_args(p):
@@ -122,6 +160,33 @@ def _bench(args):
                    f"{model.artifact.exit_layer}, k {policy.k}")
 
 
+def _serve_args(sub, common):
+    p = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server",
+                       description="Serve POST /v1/chat/completions, POST /v1/completions "
+                       "(streaming or not) and GET /v1/models. One engine serves requests in "
+                       "turn; a full queue answers 503 with Retry-After.")
+    p.add_argument("artifact", help="an artifact directory made by `edgespec export`")
+    p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="default: 8000")
+    p.add_argument("--queue", type=int, default=32, help="requests that may wait (default: 32)")
+    _runtime_args(p)
+    p.set_defaults(run=_serve)
+
+
+def _serve(args):
+    try:
+        from apps.server.server import serve
+    except ImportError as e:
+        raise EdgespecError(f"edgespec serve needs the apps package ({e})") from e
+    from .model import load
+    model = load(args.artifact, device=args.device, threads=args.threads,
+                 verify=not args.no_verify)
+    serve(model, args.host, args.port, args.queue,
+          ready=lambda address: print(f"serving {model.artifact.path.name} on "
+                                      f"http://{address[0]}:{address[1]}/v1", file=sys.stderr,
+                                      flush=True))
+
+
 def _runtime_args(p):
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="execution provider (default: CUDA if the artifact was built for it "
@@ -161,8 +226,7 @@ def _generate(args):
     print(f"[{result.n_prompt} prompt tokens, {result.n_generated} generated, "
           f"{result.decode_tokens_per_s:.1f} tokens/s, {result.mode}]", file=sys.stderr)
     if args.stats and result.mode == "speculative":
-        print(SpecStats(**{k: result.stats[k] for k in SpecStats.__dataclass_fields__}).line(),
-              file=sys.stderr)
+        print(SpecStats.from_dict(result.stats).line(), file=sys.stderr)
 
 
 def _sampling(args) -> dict:
@@ -177,8 +241,10 @@ def parser():
                                 description="Self-speculative decoding on ONNX Runtime.")
     sub = p.add_subparsers(dest="command", required=True)
     _export_args(sub, _common(argparse.SUPPRESS))
+    _chat_args(sub, _common(argparse.SUPPRESS))
     _generate_args(sub, _common(argparse.SUPPRESS))
     _bench_args(sub, _common(argparse.SUPPRESS))
+    _serve_args(sub, _common(argparse.SUPPRESS))
     return p
 
 

@@ -92,6 +92,7 @@ class Engine:
         self.exit_states = self._alloc([1, self.max_context, self.hidden_size])  # by position
         self.final_states = self._alloc([1, CHUNK + 1, self.hidden_size])  # by row of a call
         self.lower_len = self.upper_len = 0  # valid positions in each KV cache
+        self.tokens = []  # the token at each position lower has run
         self._calls = {}
 
     def _alloc(self, shape):
@@ -101,7 +102,16 @@ class Engine:
         return [i.name for i in self.sessions[graph].get_inputs() if i.name.startswith("past_")]
 
     def reset(self):
-        self.lower_len = self.upper_len = 0
+        self.rollback(0)
+
+    def rollback(self, length: int):
+        """Forget every position from `length` on, in both halves. Nothing is copied."""
+        self.lower_len = min(self.lower_len, length)
+        self.upper_len = min(self.upper_len, length)
+
+    def cached_tokens(self) -> list:
+        """The tokens whose KV both halves hold: a prompt sharing them may skip them."""
+        return self.tokens[:min(self.lower_len, self.upper_len)]
 
     # -- binding ---------------------------------------------------------------------------
 
@@ -171,6 +181,7 @@ class Engine:
                         self.lower_len, count)
         self._set_lengths(call, self.lower_len, count)
         call.run()
+        self.tokens[self.lower_len:] = [int(t) for t in ids]
         self.lower_len += count
 
     def upper(self, count: int) -> int:

@@ -25,6 +25,7 @@ class Generation:
     mode: str
     finish_reason: str  # "stop" (end of turn), "length" (max_new_tokens) or "context_full"
     stats: dict = field(default_factory=dict)
+    n_prefilled: int = 0  # prompt tokens run through the model (the rest came from the cache)
 
     @property
     def n_generated(self) -> int:
@@ -37,6 +38,35 @@ class Generation:
     def to_dict(self) -> dict:
         return {**asdict(self), "n_generated": self.n_generated,
                 "decode_tokens_per_s": self.decode_tokens_per_s}
+
+
+@dataclass
+class Piece:
+    """A piece of streamed text. drafted: its tokens came from accepted drafts;
+    generated: tokens generated so far (for usage counts when a client stops early)."""
+    text: str
+    drafted: bool = False
+    generated: int = 0
+
+
+class TextStream:
+    """Iterates over the text pieces of a reply; `result` is its Generation once done."""
+
+    def __init__(self, pieces):
+        self._pieces, self.result = pieces, None
+
+    def __iter__(self):
+        while True:
+            try:
+                piece = next(self._pieces)
+            except StopIteration as done:
+                self.result = done.value
+                return
+            yield piece.text
+
+    def close(self):
+        """Stop the generation early (the cache stays consistent)."""
+        self._pieces.close()
 
 
 class Model:
@@ -66,6 +96,30 @@ class Model:
         return self.generate_ids(self.encode(prompt, raw, system), max_new_tokens, mode,
                                  on_text, **options)
 
+    def chat(self, messages: list, stream: bool = False, max_new_tokens: int = 256,
+             mode: str = "speculative", **options):
+        """Reply to a conversation ([{"role", "content"}, ...]) through the chat template.
+
+        The KV cache of the previous call is reused for the longest common prefix, so a new
+        turn prefills only its new tokens. stream=False: a Generation; stream=True: a
+        TextStream yielding text pieces, its `result` set once it is exhausted."""
+        pieces = self.stream_ids(self.codec.encode_chat(messages), max_new_tokens, mode,
+                                 reuse_cache=True, **options)
+        text = TextStream(pieces)
+        if stream:
+            return text
+        for _ in text:
+            pass
+        return text.result
+
+    def generate_ids(self, prompt_ids: list, max_new_tokens: int = 256,
+                     mode: str = "speculative", on_text=None, **options) -> Generation:
+        stream = TextStream(self.stream_ids(prompt_ids, max_new_tokens, mode, **options))
+        for text in stream:
+            if on_text:
+                on_text(text)
+        return stream.result
+
     def draft_policy(self, draft_k=None, draft_threshold=None) -> DraftPolicy:
         """The artifact's default draft policy, with any of its values overridden."""
         default = self.artifact.manifest.get("draft", {})
@@ -73,9 +127,16 @@ class Model:
                            threshold=default.get("threshold", 0.0) if draft_threshold is None
                            else draft_threshold)
 
-    def generate_ids(self, prompt_ids: list, max_new_tokens: int = 256,
-                     mode: str = "speculative", on_text=None, draft_k=None,
-                     draft_threshold=None, **sampling) -> Generation:
+    def stream_ids(self, prompt_ids: list, max_new_tokens: int = 256,
+                   mode: str = "speculative", draft_k=None, draft_threshold=None,
+                   reuse_cache: bool = False, **sampling):
+        """Generate from token ids: yields Pieces of text, returns the Generation.
+
+        reuse_cache keeps the cached prefix shared with the previous call (chat): a turn
+        prefills only its new tokens. The reply's own tokens were cached by decode steps,
+        whose last bits differ from a prefill's, so a continued conversation can answer
+        slightly differently than the same conversation sent afresh. Without reuse_cache
+        every call starts from an empty cache: its output depends only on its input."""
         params = SamplingParams(**sampling)
         policy = self.draft_policy(draft_k, draft_threshold)
         if mode not in MODES:
@@ -84,8 +145,7 @@ class Model:
             raise EdgespecError(f"invalid max-new-tokens {max_new_tokens}: it must be >= 1")
         self._check_prompt(prompt_ids)
         start = time.perf_counter()
-        self.engine.reset()
-        first_logits = self.engine.prefill(prompt_ids)
+        first_logits, reused = self._prefill(prompt_ids, reuse_cache)
         prefill_s = time.perf_counter() - start
         history, stream, stats = list(prompt_ids), StreamDecoder(self.codec), SpecStats()
         if mode == "plain":
@@ -94,10 +154,21 @@ class Model:
         else:
             decoder = SpeculativeDecoder(self.engine, params, policy, stats)
             rounds = decoder.rounds(first_logits, history, max_new_tokens)
-        tokens, finish = [], "length"
+        tokens, finish = [], None
         try:
             for committed in rounds:
-                finish = self._take(committed, tokens, max_new_tokens, stream, on_text)
+                for i, token in enumerate(committed):
+                    tokens.append(token)
+                    if token in self.stop_ids:
+                        finish = "stop"
+                        break
+                    text = stream.push(token)
+                    if text:  # all but a round's last token were drafted, then accepted
+                        yield Piece(text, drafted=i < len(committed) - 1,
+                                    generated=len(tokens))
+                    if len(tokens) == max_new_tokens:
+                        finish = "length"
+                        break
                 if finish:
                     break
         except ContextFull:
@@ -105,20 +176,22 @@ class Model:
         decode_s = time.perf_counter() - start - prefill_s
         return Generation(self.codec.decode(tokens), tokens, len(prompt_ids), prefill_s,
                           decode_s, mode, finish or "length",
-                          stats.to_dict() if mode == "speculative" else {})
+                          stats.to_dict() if mode == "speculative" else {},
+                          n_prefilled=len(prompt_ids) - reused)
 
-    def _take(self, committed, tokens, max_new_tokens, stream, on_text):
-        """Append a round's tokens, streaming their text; "stop"/"length" when done."""
-        for token in committed:
-            tokens.append(token)
-            if token in self.stop_ids:
-                return "stop"
-            piece = stream.push(token)
-            if on_text and piece:
-                on_text(piece)
-            if len(tokens) == max_new_tokens:
-                return "length"
-        return None
+    def _prefill(self, prompt_ids, reuse_cache):
+        """Logits after the prompt, and how many of its tokens the cache already held."""
+        reused = 0
+        if reuse_cache:
+            cached = self.engine.cached_tokens()
+            # prefill at least two tokens: a one-row lower call would give the last prompt
+            # position other bits than a fresh prefill does (see engine.py), and a repeated
+            # request should get the same reply as the first time
+            limit = min(len(cached), len(prompt_ids) - 2)
+            while reused < limit and cached[reused] == prompt_ids[reused]:
+                reused += 1
+        self.engine.rollback(reused)
+        return self.engine.prefill(prompt_ids[reused:]), reused
 
     def _check_prompt(self, prompt_ids):
         limit = self.engine.max_context

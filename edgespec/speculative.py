@@ -11,7 +11,7 @@ One round, starting with the last committed token t (not yet in any cache):
 4. roll back: both caches keep t and the accepted drafts. Nothing is copied.
 """
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -49,15 +49,22 @@ class SpecStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def accepted_per_round(self) -> float:
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
     def tokens_per_round(self) -> float:
         """Committed tokens per verify round: accepted drafts plus the verifier's token."""
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+        return self.accepted_per_round + 1 if self.rounds else 0.0
 
     def to_dict(self) -> dict:
-        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
-                "acceptance": self.acceptance, "tokens_per_round": self.tokens_per_round,
-                "draft_s": self.draft_s, "verify_s": self.verify_s, "head_s": self.head_s,
-                "sampling_s": self.sampling_s}
+        return {**asdict(self), "acceptance": self.acceptance,
+                "accepted_per_round": self.accepted_per_round,
+                "tokens_per_round": self.tokens_per_round}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SpecStats":
+        return cls(**{name: values[name] for name in cls.__dataclass_fields__})
 
     def line(self) -> str:
         total = self.draft_s + self.verify_s + self.head_s + self.sampling_s or 1.0
@@ -148,7 +155,7 @@ class SpeculativeDecoder:
             logits = self.verify(len(drafts), timer)
             committed = self.accept(drafts, dists, logits, history)
             timer.charge("sampling_s")
-            engine.lower_len = engine.upper_len = base + len(committed)  # roll back
+            engine.rollback(base + len(committed))
             stats.rounds += 1
             stats.drafted += len(drafts)
             stats.accepted += len(committed) - 1

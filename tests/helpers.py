@@ -28,12 +28,12 @@ def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 
 
 def make_checkpoint(path: Path, arch: str = "llama", tie: bool = True, layers: int = 4,
-                    seed: int = 0) -> Path:
+                    seed: int = 0, max_positions: int = 512) -> Path:
     torch.manual_seed(seed)
     tokenizer = make_tokenizer(384)
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+                  max_position_embeddings=max_positions, rms_norm_eps=1e-5, tie_word_embeddings=tie,
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
                   rope_theta=10000.0)
     config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)

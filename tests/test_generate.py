@@ -12,7 +12,8 @@ from export.pipeline import export_model
 
 JSON_FIELDS = {"text", "tokens", "n_prompt", "n_generated", "prefill_s", "decode_s",
                "decode_tokens_per_s", "mode", "finish_reason", "stats"}
-STATS_FIELDS = {"rounds", "drafted", "accepted", "acceptance", "tokens_per_round", "draft_s",
+STATS_FIELDS = {"rounds", "drafted", "accepted", "acceptance", "accepted_per_round",
+                "tokens_per_round", "draft_s",
                 "verify_s", "head_s", "sampling_s"}
 
 

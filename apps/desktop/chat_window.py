@@ -1,0 +1,111 @@
+"""A small desktop chat window that embeds the edgespec runtime in-process.
+
+The model runs on a worker thread and hands text pieces to the Tk main loop through a
+queue, which the window polls; so the window keeps redrawing and answering while a reply
+streams. Run: python -m apps.desktop.chat_window models/smollm2-135m-instruct
+"""
+import argparse
+import queue
+import threading
+import tkinter as tk
+from tkinter import scrolledtext
+
+import edgespec
+
+POLL_MS = 30
+
+
+class ChatWindow:
+    def __init__(self, root: tk.Tk, model, max_new_tokens: int = 256):
+        self.root, self.model, self.max_new_tokens = root, model, max_new_tokens
+        self.messages, self.pieces, self.busy = [], queue.Queue(), False
+        root.title(f"edgespec - {model.artifact.path.name}")
+        self.log = scrolledtext.ScrolledText(root, wrap="word", state="disabled", width=72,
+                                             height=20)
+        self.log.tag_configure("user", foreground="#1f4e99")
+        self.entry = tk.Entry(root, width=60)
+        self.send_button = tk.Button(root, text="Send", command=self.send)
+        self.status = tk.Label(root, text="ready", anchor="w")
+        self.log.grid(row=0, column=0, columnspan=2, sticky="nsew", padx=6, pady=6)
+        self.entry.grid(row=1, column=0, sticky="ew", padx=6)
+        self.send_button.grid(row=1, column=1, padx=6)
+        self.status.grid(row=2, column=0, columnspan=2, sticky="ew", padx=6, pady=(2, 6))
+        root.columnconfigure(0, weight=1)
+        root.rowconfigure(0, weight=1)
+        self.entry.bind("<Return>", lambda event: self.send())
+        self.entry.focus_set()
+        root.after(POLL_MS, self._poll)
+
+    def send(self, text: str = None):
+        """Send the entry's text (or `text`) as the next user message."""
+        text = (text if text is not None else self.entry.get()).strip()
+        if not text or self.busy:
+            return
+        self.entry.delete(0, "end")
+        self._append(f"you: {text}\n", "user")
+        self._append("assistant: ")
+        self.messages.append({"role": "user", "content": text})
+        self.busy = True
+        self.send_button.configure(state="disabled")
+        self.status.configure(text="thinking...")
+        threading.Thread(target=self._generate, args=(list(self.messages),), daemon=True).start()
+
+    def _generate(self, messages):
+        """On the worker thread: stream the reply into the queue, then its result."""
+        try:
+            stream = self.model.chat(messages, stream=True, max_new_tokens=self.max_new_tokens)
+            for piece in stream:
+                self.pieces.put(piece)
+            self.pieces.put(stream.result)
+        except edgespec.EdgespecError as e:
+            self.pieces.put(e)
+
+    def _poll(self):
+        """On the Tk thread: show what the worker produced since the last poll."""
+        while True:
+            try:
+                item = self.pieces.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, str):
+                self._append(item)
+            else:
+                self._finish(item)
+        self.root.after(POLL_MS, self._poll)
+
+    def _finish(self, result):
+        self._append("\n\n")
+        if isinstance(result, Exception):
+            self.status.configure(text=f"error: {result}")
+        else:
+            self.messages.append({"role": "assistant", "content": result.text})
+            stats = result.stats
+            self.status.configure(text=f"{result.n_generated} tokens, "
+                                  f"{result.decode_tokens_per_s:.0f} tokens/s, acceptance "
+                                  f"{100 * stats.get('acceptance', 0):.0f}%")
+        self.busy = False
+        self.send_button.configure(state="normal")
+
+    def _append(self, text, tag=None):
+        self.log.configure(state="normal")
+        self.log.insert("end", text, tag)
+        self.log.see("end")
+        self.log.configure(state="disabled")
+
+    def transcript(self) -> str:
+        return self.log.get("1.0", "end")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="A desktop chat window on an edgespec artifact.")
+    parser.add_argument("artifact")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    args = parser.parse_args(argv)
+    model = edgespec.load(args.artifact)
+    root = tk.Tk()
+    ChatWindow(root, model, args.max_new_tokens)
+    root.mainloop()
+
+
+if __name__ == "__main__":
+    main()

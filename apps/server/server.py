@@ -1,0 +1,258 @@
+"""`edgespec serve`: an OpenAI-compatible HTTP server around one engine.
+
+Requests wait in a bounded queue (full: 503 with Retry-After) and one worker thread, which
+owns the model, serves them in turn. A client that disconnects cancels its generation: the
+handler notices when a write fails or the socket closes, and the worker stops at the next
+piece of text.
+"""
+import json
+import queue
+import select
+import socket
+import sys
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from edgespec.errors import EdgespecError
+
+from . import openai_api as api
+
+RETRY_AFTER_S = 2
+
+
+@dataclass
+class Job:
+    prompt_ids: list
+    options: dict
+    chat: bool
+    events: queue.Queue = field(default_factory=queue.Queue)  # text pieces, then a final dict
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class Worker(threading.Thread):
+    """Owns the model; runs queued jobs one at a time."""
+
+    def __init__(self, model, queue_size):
+        super().__init__(daemon=True, name="edgespec-worker")
+        self.model, self.jobs = model, queue.Queue(maxsize=queue_size)
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
+        self.busy = False
+
+    def submit(self, job: Job):
+        self.jobs.put_nowait(job)  # queue.Full: the caller answers 503
+
+    def run(self):
+        while True:
+            job = self.jobs.get()
+            self.busy = True
+            try:
+                self._serve(job)
+            finally:
+                self.busy = False
+
+    def _serve(self, job):
+        if job.cancelled.is_set():
+            self.counts["cancelled"] += 1
+            return
+        o = job.options
+        try:
+            pieces = self.model.stream_ids(job.prompt_ids, o["max_new_tokens"],
+                                           reuse_cache=job.chat, **o["sampling"])
+            generated = 0
+            while True:
+                if job.cancelled.is_set():
+                    pieces.close()
+                    self.counts["cancelled"] += 1
+                    job.events.put({"finish": "cancelled", "generated": generated})
+                    return
+                try:
+                    piece = next(pieces)
+                except StopIteration as done:
+                    result = done.value
+                    break
+                generated = piece.generated
+                job.events.put(piece.text)
+            self.counts["completed"] += 1
+            job.events.put({"finish": result.finish_reason, "generated": result.n_generated})
+        except EdgespecError as e:
+            self.counts["failed"] += 1
+            job.events.put({"error": str(e)})
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "edgespec"
+    worker: Worker = None
+    model_name = "edgespec"
+
+    def log_message(self, fmt, *args):  # one quiet line per request, to stderr
+        sys.stderr.write(f"{self.address_string()} {fmt % args}\n")
+
+    # -- routing ---------------------------------------------------------------------------
+
+    def do_GET(self):
+        if self.path.rstrip("/") == "/v1/models":
+            self._json(200, {"object": "list", "data": [
+                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "edgespec"}]})
+        elif self.path.rstrip("/") == "/health":
+            self._json(200, {"busy": self.worker.busy, "queued": self.worker.jobs.qsize(),
+                             **self.worker.counts})
+        else:
+            self._json(404, api.error_body(f"no route GET {self.path}", "not_found"))
+
+    def do_POST(self):
+        routes = {"/v1/chat/completions": self._chat, "/v1/completions": self._completion}
+        handler = routes.get(self.path.rstrip("/"))
+        if handler is None:
+            self._json(404, api.error_body(f"no route POST {self.path}", "not_found"))
+            return
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"")
+            if not isinstance(body, dict):
+                raise api.BadRequest("the body must be a JSON object")
+            handler(body)
+        except json.JSONDecodeError as e:
+            self._json(400, api.error_body(f"the body is not JSON: {e}"))
+        except api.BadRequest as e:
+            self._json(400, api.error_body(str(e), param=e.param))
+
+    # -- the two generation endpoints -----------------------------------------------------
+
+    def _chat(self, body):
+        model = self.worker.model
+        ids = model.codec.encode_chat(api.chat_messages(body))
+        self._generate(body, ids, chat=True)
+
+    def _completion(self, body):
+        self._generate(body, self.worker.model.codec.encode(api.completion_prompt(body)),
+                       chat=False)
+
+    def _generate(self, body, ids, chat):
+        options = api.generation_options(body)
+        limit = self.worker.model.engine.max_context
+        if len(ids) >= limit:
+            raise api.BadRequest(f"the prompt has {len(ids)} tokens; the context is {limit}",
+                                 "messages" if chat else "prompt")
+        job = Job(ids, options, chat)
+        try:
+            self.worker.submit(job)
+        except queue.Full:
+            self._json(503, api.error_body("the server is busy; retry later", "server_busy"),
+                       {"Retry-After": str(RETRY_AFTER_S)})
+            return
+        rid = api.new_id("chatcmpl" if chat else "cmpl")
+        scanner = api.StopScanner(options["stop"])
+        if body.get("stream"):
+            self._stream(job, rid, chat, scanner, bool((body.get("stream_options") or {})
+                                                       .get("include_usage")))
+        else:
+            self._complete(job, rid, chat, scanner)
+
+    def _events(self, job, scanner):
+        """Text safe to send and the final event; cancels the job on a stop string or when
+        the client has gone."""
+        while True:
+            try:
+                event = job.events.get(timeout=0.5)
+            except queue.Empty:
+                if _client_gone(self.connection):
+                    job.cancelled.set()
+                continue
+            if isinstance(event, dict):
+                yield scanner.flush(), event
+                return
+            if scanner.stopped:  # pieces already on their way when the job was cancelled
+                continue
+            text = scanner.feed(event)
+            if scanner.stopped:
+                job.cancelled.set()
+            yield text, None
+
+    def _complete(self, job, rid, chat, scanner):
+        parts, final = [], None
+        for text, final in self._events(job, scanner):
+            parts.append(text)
+        if "error" in final:
+            self._json(500, api.error_body(final["error"], "server_error"))
+            return
+        finish = api.finish_reason(final["finish"], scanner.stopped)
+        use = api.usage(len(job.prompt_ids), final["generated"])
+        respond = api.chat_response if chat else api.completion_response
+        self._json(200, respond(rid, self.model_name, "".join(parts), finish, use))
+
+    def _stream(self, job, rid, chat, scanner, include_usage):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        chunk = api.chat_chunk if chat else api.completion_chunk
+        try:
+            if chat:
+                self._sse(chunk(rid, self.model_name, {"role": "assistant", "content": ""}))
+            for text, final in self._events(job, scanner):
+                if text:
+                    self._sse(chunk(rid, self.model_name, {"content": text} if chat else text))
+                if final is None:
+                    continue
+                if "error" in final:
+                    self._sse(api.error_body(final["error"], "server_error"))
+                    continue
+                finish = api.finish_reason(final["finish"], scanner.stopped)
+                self._sse(chunk(rid, self.model_name, {} if chat else "", finish))
+                if include_usage:
+                    self._sse(chunk(rid, self.model_name, use=api.usage(len(job.prompt_ids),
+                                                                         final["generated"])))
+            self._write_chunk(b"data: [DONE]\n\n")
+            self._write_chunk(b"")
+        except (BrokenPipeError, ConnectionResetError):
+            job.cancelled.set()  # the client left: stop generating for it
+            self.close_connection = True
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def _sse(self, payload):
+        self._write_chunk(f"data: {json.dumps(payload)}\n\n".encode())
+
+    def _write_chunk(self, data: bytes):
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+    def _json(self, status, payload, headers=None):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def _client_gone(connection: socket.socket) -> bool:
+    """True when the peer closed its end (readable with nothing to read)."""
+    try:
+        readable, _, _ = select.select([connection], [], [], 0)
+        return bool(readable) and connection.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def serve(model, host="127.0.0.1", port=8000, queue_size=32, ready=None):
+    """Serve until interrupted. `ready(address)` is called once the socket listens."""
+    worker = Worker(model, queue_size)
+    worker.start()
+    handler = type("BoundHandler", (Handler,), {"worker": worker,
+                                                "model_name": model.artifact.path.name})
+    try:
+        httpd = ThreadingHTTPServer((host, port), handler)
+    except OSError as e:
+        raise EdgespecError(f"cannot listen on {host}:{port} ({e.strerror}); "
+                            "choose another --port") from e
+    httpd.daemon_threads = True
+    (ready or (lambda address: None))(httpd.server_address)
+    try:
+        httpd.serve_forever()
+    finally:
+        httpd.server_close()

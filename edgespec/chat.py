@@ -1,0 +1,171 @@
+"""`edgespec chat`: a streaming terminal chat that keeps the KV cache between turns."""
+import sys
+
+from .errors import EdgespecError
+from .sampling import SamplingParams
+from .speculative import SpecStats
+
+HELP = """commands:
+  /help                 this list
+  /reset                forget the conversation (the system message stays)
+  /stats                statistics of the last reply and of the cache
+  /set NAME VALUE       change a setting: temperature, top_k, top_p, min_p,
+                        repetition_penalty, seed, max_new_tokens, draft_k,
+                        draft_threshold, mode (speculative or plain)
+  /exit                 leave (Ctrl-D too); Ctrl-C stops a reply and keeps the conversation"""
+SETTINGS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
+            "repetition_penalty": float, "seed": int, "max_new_tokens": int, "draft_k": int,
+            "draft_threshold": float, "mode": str}
+DRAFTED, PLAIN = "\x1b[32m", "\x1b[0m"
+
+
+class ChatSession:
+    """A conversation with a model: messages, settings, and what the last reply did."""
+
+    def __init__(self, model, settings: dict, system: str = None, show_drafts=False,
+                 out=sys.stdout):
+        self.model, self.settings, self.system = model, settings, system
+        self.show_drafts, self.out = show_drafts, out
+        self.messages, self.last = self._fresh(), None
+
+    def _fresh(self):
+        return [{"role": "system", "content": self.system}] if self.system else []
+
+    def say(self, text=""):
+        print(text, file=self.out, flush=True)
+
+    # -- commands --------------------------------------------------------------------------
+
+    def command(self, line: str) -> bool:
+        """Run a /command; False when the user wants to leave."""
+        name, *args = line[1:].split()
+        if name in ("exit", "quit"):
+            return False
+        if name == "help":
+            self.say(HELP)
+        elif name == "reset":
+            self.messages = self._fresh()
+            self.model.engine.reset()
+            self.say("[conversation cleared]")
+        elif name == "stats":
+            self.say(self._stats())
+        elif name == "set" and len(args) == 2:
+            self._set(*args)
+        else:
+            self.say(f"[unknown command {line}; /help lists them]")
+        return True
+
+    def _set(self, name, value):
+        if name not in SETTINGS:
+            self.say(f"[unknown setting {name}; one of {', '.join(SETTINGS)}]")
+            return
+        try:
+            settings = {**self.settings, name: SETTINGS[name](value)}
+            sampling = {k: v for k, v in settings.items() if k in SamplingParams.__dataclass_fields__}
+            SamplingParams(**sampling)
+            self.model.draft_policy(settings.get("draft_k"), settings.get("draft_threshold"))
+            if settings.get("mode", "speculative") not in ("speculative", "plain"):
+                raise EdgespecError(f"invalid mode {value}: speculative or plain")
+            if settings.get("max_new_tokens", 1) < 1:
+                raise EdgespecError(f"invalid max_new_tokens {value}: it must be >= 1")
+        except (ValueError, EdgespecError) as e:
+            self.say(f"[not set: {e}]")
+            return
+        self.settings = settings
+        self.say(f"[{name} = {settings[name]}]")
+
+    def _stats(self) -> str:
+        engine = self.model.engine
+        cache = f"cache {len(engine.cached_tokens())}/{engine.max_context} tokens"
+        if self.last is None:
+            return f"[no reply yet; {cache}]"
+        r = self.last
+        line = (f"[last reply: {r.n_generated} tokens, {r.decode_tokens_per_s:.1f} tokens/s, "
+                f"prefilled {r.n_prefilled} of {r.n_prompt} prompt tokens, {r.mode}; {cache}]")
+        if r.stats:
+            line += "\n[" + SpecStats.from_dict(r.stats).line() + "]"
+        return line
+
+    # -- a turn ----------------------------------------------------------------------------
+
+    def turn(self, text: str):
+        """Add the user's message, stream the reply, keep it in the conversation."""
+        self.messages.append({"role": "user", "content": text})
+        reply, result = [], None
+        try:
+            if not self._fit_context():
+                return
+            result = self._stream(reply)
+        except KeyboardInterrupt:
+            self.say("\n[stopped]")
+        self.messages.append({"role": "assistant", "content": "".join(reply)})
+        if result is not None:
+            self.last = result
+            self.say()
+            self.say(self._summary(result))
+
+    def _stream(self, reply: list):
+        """Print the reply as it is generated (appending its pieces); its Generation."""
+        options = dict(self.settings)
+        max_new, mode = options.pop("max_new_tokens", 512), options.pop("mode", "speculative")
+        pieces = self.model.stream_ids(self.model.codec.encode_chat(self.messages), max_new,
+                                       mode, reuse_cache=True, **options)
+        try:
+            while True:
+                try:
+                    piece = next(pieces)
+                except StopIteration as done:
+                    return done.value
+                reply.append(piece.text)
+                colour = self.show_drafts and piece.drafted
+                self.out.write(f"{DRAFTED}{piece.text}{PLAIN}" if colour else piece.text)
+                self.out.flush()
+        finally:
+            pieces.close()
+
+    def _summary(self, r) -> str:
+        parts = [f"{r.n_generated} tokens", f"{r.decode_tokens_per_s:.1f} tok/s"]
+        if r.stats:
+            s = SpecStats.from_dict(r.stats)
+            parts += [f"accepted {s.accepted}/{s.drafted} ({100 * s.acceptance:.0f}%)",
+                      f"{s.tokens_per_round:.2f} tokens/round"]
+        note = {"context_full": "; the context is full: the reply stopped, the oldest turns "
+                "will be dropped next"}.get(r.finish_reason, "")
+        return f"[{', '.join(parts)}{note}]"
+
+    def _fit_context(self) -> bool:
+        """Drop the oldest turns until the conversation leaves room for a reply."""
+        limit = self.model.engine.max_context
+        room = min(self.settings.get("max_new_tokens", 512), limit // 4)
+        first = 1 if self.system else 0
+        while len(self.model.codec.encode_chat(self.messages)) + room > limit:
+            if len(self.messages) - first <= 1:
+                self.messages.pop()
+                self.say(f"[that message is too long for the context of {limit} tokens]")
+                return False
+            del self.messages[first:first + 2]  # the oldest user message and its reply
+            self.say("[the context is full: the oldest turn was dropped]")
+        return True
+
+
+def run(model, settings: dict, system=None, show_drafts=False):
+    """The interactive loop: read a line, run a command or a turn."""
+    session = ChatSession(model, settings, system, show_drafts)
+    session.say(f"edgespec chat: {model.artifact.path.name} (exit layer "
+                f"{model.artifact.exit_layer}). /help for commands, Ctrl-D to leave.")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            session.say()
+            return
+        except KeyboardInterrupt:
+            session.say("\n[Ctrl-D or /exit leaves]")
+            continue
+        if not line:
+            continue
+        if line.startswith("/"):
+            if not session.command(line):
+                return
+            continue
+        session.turn(line)

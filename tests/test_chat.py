@@ -1,0 +1,107 @@
+"""`edgespec chat` through a pseudo-terminal, and the multi-turn Python API."""
+import io
+import sys
+
+import pexpect
+import pytest
+
+import edgespec
+
+SUMMARY = r"\[\d+ tokens, [\d.]+ tok/s, accepted \d+/\d+ \(\d+%\), [\d.]+ tokens/round"
+
+
+def spawn_chat(artifact, *args, timeout=60):
+    child = pexpect.spawn(sys.executable, ["-m", "edgespec", "chat", str(artifact), *args],
+                          encoding="utf-8", timeout=timeout, dimensions=(40, 200))
+    child.expect("you> ")
+    return child
+
+
+def test_chat_streams_replies_runs_commands_and_leaves_on_ctrl_d(tiny_int4):
+    child = spawn_chat(tiny_int4, "--max-new-tokens", "24", "--show-drafts")
+    child.sendline("hello there")
+    child.expect(SUMMARY)
+    child.expect("you> ")
+    child.sendline("/set temperature 0.7")
+    child.expect(r"\[temperature = 0.7\]")
+    child.sendline("/set top_p 7")
+    child.expect(r"\[not set: invalid top-p 7.0")
+    child.sendline("/stats")
+    child.expect(r"prefilled \d+ of \d+ prompt tokens")
+    child.sendline("and again")
+    child.expect(SUMMARY)
+    child.sendline("/reset")
+    child.expect(r"\[conversation cleared\]")
+    child.sendline("/help")
+    child.expect("/set NAME VALUE")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_exit_command_leaves_cleanly(tiny_int4):
+    child = spawn_chat(tiny_int4)
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_a_full_context_drops_the_oldest_turns_without_a_crash(tiny_checkpoint, tmp_path):
+    from helpers import quiet
+
+    from export.pipeline import export_model
+    export_model(str(tiny_checkpoint), tmp_path / "small", max_context=96, log=quiet)
+    child = spawn_chat(tmp_path / "small", "--max-new-tokens", "20")
+    child.logfile_read = transcript = io.StringIO()
+    for turn in range(6):
+        child.sendline(f"turn {turn}: the quick brown fox jumps over the lazy dog")
+        child.expect(r"\[\d+ tokens")
+        child.expect("you> ")
+    assert "the oldest turn was dropped" in transcript.getvalue()
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+@pytest.mark.smollm2
+def test_ctrl_c_stops_a_reply_and_keeps_the_conversation(smollm2_int4):
+    child = spawn_chat(smollm2_int4, "--max-new-tokens", "3000", timeout=120)
+    child.sendline("Write a very long story about a dragon who learns to bake bread.")
+    child.expect("bake bread.\r\n")  # the echo of the line
+    child.expect(r"\w+ \w+ \w+ \w+")  # the reply is streaming
+    child.sendintr()
+    child.expect(r"\[stopped\]")
+    child.expect("you> ")
+    child.sendline("/set max_new_tokens 16")
+    child.expect("you> ")
+    child.sendline("What was the story about?")
+    child.expect(r"\[\d+ tokens, [\d.]+ tok/s")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+
+
+@pytest.mark.smollm2
+def test_a_new_turn_prefills_only_its_new_tokens(smollm2_int4):
+    model = edgespec.load(smollm2_int4)
+    messages = [{"role": "user", "content": "Name a fruit that is yellow."}]
+    first = model.chat(messages, max_new_tokens=256)
+    assert first.n_prefilled == first.n_prompt and first.finish_reason == "stop"
+    messages += [{"role": "assistant", "content": first.text},
+                 {"role": "user", "content": "And a red one?"}]
+    second = model.chat(messages, max_new_tokens=24)
+    # the cache holds the first prompt and the reply but its end-of-turn token: the rest,
+    # that token and the new user turn, is all that runs through the model
+    cached = first.n_prompt + first.n_generated - 1
+    assert second.n_prefilled == second.n_prompt - cached
+    assert second.n_prefilled < 20 < second.n_prompt
+
+
+def test_chat_streams_text_and_reports_the_result(tiny_int4):
+    model = edgespec.load(tiny_int4)
+    stream = model.chat([{"role": "user", "content": "hi"}], stream=True, max_new_tokens=12)
+    text = "".join(stream)
+    assert stream.result is not None and stream.result.text == text
+    assert stream.result.stats["rounds"] >= 1

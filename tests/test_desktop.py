@@ -1,0 +1,58 @@
+"""The desktop example: a Tk window on a virtual screen embeds the runtime and streams a reply."""
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+import edgespec
+
+
+@pytest.fixture(scope="module")
+def display():
+    """An Xvfb screen for the window (the CI installs xvfb)."""
+    if shutil.which("Xvfb") is None:
+        pytest.fail("Xvfb is not installed: apt-get install xvfb (.ci/run does)")
+    number = 97
+    server = subprocess.Popen(["Xvfb", f":{number}", "-screen", "0", "800x600x24", "-nolisten",
+                               "tcp"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    previous = os.environ.get("DISPLAY")
+    os.environ["DISPLAY"] = f":{number}"
+    yield os.environ["DISPLAY"]
+    server.terminate()
+    server.wait(5)
+    if previous is None:
+        del os.environ["DISPLAY"]
+    else:
+        os.environ["DISPLAY"] = previous
+
+
+def test_the_window_streams_a_reply_and_stays_responsive(display, tiny_int4, tmp_path):
+    import tkinter as tk
+
+    from apps.desktop.chat_window import ChatWindow
+    root = tk.Tk()
+    window = ChatWindow(root, edgespec.load(tiny_int4), max_new_tokens=200)
+    ticks = []
+    def tick():  # a timer on the Tk loop: it keeps firing while the reply is generated
+        ticks.append(time.perf_counter())
+        root.after(5, tick)
+    tick()
+    window.send("hello there")
+    deadline = time.time() + 30
+    while window.busy and time.time() < deadline:
+        root.update()
+        time.sleep(0.002)
+    root.update()
+    transcript = window.transcript()
+    assert not window.busy, "no reply within 30 s"
+    assert "you: hello there" in transcript
+    reply = transcript.split("assistant: ", 1)[1].strip()
+    assert reply, transcript
+    assert window.status.cget("text").endswith("%") and "tokens/s" in window.status.cget("text")
+    assert max(b - a for a, b in zip(ticks, ticks[1:])) < 0.5  # never frozen
+    if shutil.which("xwd"):
+        subprocess.run(["xwd", "-root", "-display", display, "-out", str(tmp_path / "window.xwd")])
+    root.destroy()
