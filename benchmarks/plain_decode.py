@@ -60,14 +60,14 @@ def main():
     reference = None if args.no_transformers else transformers_reference(
         None if model.artifact.manifest["source"]["model"].startswith("bundled:")
         else model.artifact.manifest["source"]["model"], args.threads)
-    model.generate("warm up", max_new_tokens=8)
+    model.generate("warm up", max_new_tokens=8, mode="plain")
     ours, theirs = [], []
     print(f"{'id':>4} {'category':15} {'prompt':>6} {'new':>4} {'edgespec':>9} {'transformers':>12}")
     for row in pick_prompts(args.prompts, args.per_category):
         ids = model.encode(row["turns"][0])
         if len(ids) + args.max_new_tokens >= model.engine.max_context:
             continue
-        result = model.generate_ids(ids, max_new_tokens=args.max_new_tokens)
+        result = model.generate_ids(ids, max_new_tokens=args.max_new_tokens, mode="plain")
         ours.append(result.decode_tokens_per_s)
         line = (f"{row['question_id']:>4} {row['category']:15} {len(ids):>6} "
                 f"{result.n_generated:>4} {ours[-1]:>9.1f}")

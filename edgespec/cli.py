@@ -24,6 +24,19 @@ def _common(debug_default=False):
     return parent
 
 
+def _artifact_command(sub, common, name, help, description):
+    """A subcommand that runs an artifact: its parser, with the artifact argument."""
+    p = sub.add_parser(name, parents=[common], help=help, description=description)
+    p.add_argument("artifact", help="an artifact directory made by `edgespec export`")
+    return p
+
+
+def _load(args):
+    from .model import load
+    return load(args.artifact, device=args.device, threads=args.threads,
+                verify=not args.no_verify)
+
+
 def _export_args(sub, common):
     p = sub.add_parser("export", parents=[common], help="export a model to an edgespec artifact",
                        description="Turn a model into a quantized ONNX artifact: lower.onnx "
@@ -45,9 +58,8 @@ def _export_args(sub, common):
 
 
 def _generate_args(sub, common):
-    p = sub.add_parser("generate", parents=[common], help="reply to one prompt (for scripts)",
-                       description="Generate a reply to one prompt, streaming text to stdout.")
-    p.add_argument("artifact", help="an artifact directory made by `edgespec export`")
+    p = _artifact_command(sub, common, "generate", "reply to one prompt (for scripts)",
+                          "Generate a reply to one prompt, streaming text to stdout.")
     p.add_argument("-p", "--prompt", required=True, help="the user message (or raw text with --raw)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="default: 256")
     p.add_argument("--plain", action="store_true",
@@ -76,10 +88,9 @@ def _sampling_args(p):
 
 
 def _chat_args(sub, common):
-    p = sub.add_parser("chat", parents=[common], help="streaming chat in the terminal",
-                       description="A streaming multi-turn chat. The KV cache is kept between "
-                       "turns, so a new turn prefills only its new tokens. Type /help inside.")
-    p.add_argument("artifact", help="an artifact directory made by `edgespec export`")
+    p = _artifact_command(sub, common, "chat", "streaming chat in the terminal",
+                          "A streaming multi-turn chat. The KV cache is kept between turns, so "
+                          "a new turn prefills only its new tokens. Type /help inside.")
     p.add_argument("--system", help="a system message")
     p.add_argument("--max-new-tokens", type=int, default=512, help="per reply (default: 512)")
     p.add_argument("--plain", action="store_true", help="plain decoding instead of speculative")
@@ -93,13 +104,11 @@ def _chat_args(sub, common):
 
 def _chat(args):
     from . import chat
-    from .model import load
     from .sampling import SamplingParams
     settings = {**_sampling(args), "max_new_tokens": args.max_new_tokens,
                 "mode": "plain" if args.plain else "speculative"}
     SamplingParams(**_sampling(args))  # refuse bad values before loading
-    model = load(args.artifact, device=args.device, threads=args.threads,
-                 verify=not args.no_verify)
+    model = _load(args)
     model.draft_policy(args.draft_k, args.draft_threshold)
     for name in ("draft_k", "draft_threshold"):
         if getattr(args, name) is not None:
@@ -116,11 +125,10 @@ def _draft_args(p):
 
 
 def _bench_args(sub, common):
-    p = sub.add_parser("bench", parents=[common], help="plain vs speculative on a prompt set",
-                       description="For each prompt (first turn, chat template, greedy): plain "
-                       "decoding, then speculative, same artifact, same process. Prints a table "
-                       "per category (median speedup, share of identical outputs, acceptance).")
-    p.add_argument("artifact", help="an artifact directory made by `edgespec export`")
+    p = _artifact_command(sub, common, "bench", "plain vs speculative on a prompt set",
+                          "For each prompt (first turn, chat template, greedy): plain decoding, "
+                          "then speculative, same artifact, same process. Prints a table per "
+                          "category (median speedup, share of identical outputs, acceptance).")
     p.add_argument("--prompts", help="a JSONL file of {question_id, category, turns} "
                    "(default: a small built-in set; Spec-Bench's question.jsonl works)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
@@ -136,12 +144,10 @@ def _bench_args(sub, common):
 
 def _bench(args):
     from . import bench
-    from .model import load
     rows = bench.load_prompts(args.prompts, args.limit, args.per_category, args.categories)
     if not rows:
         raise EdgespecError("no prompts selected")
-    model = load(args.artifact, device=args.device, threads=args.threads,
-                 verify=not args.no_verify)
+    model = _load(args)
     draft = {"draft_k": args.draft_k, "draft_threshold": args.draft_threshold}
     policy = model.draft_policy(**draft)
     results = bench.run(model, rows, args.max_new_tokens, draft)
@@ -161,11 +167,10 @@ def _bench(args):
 
 
 def _serve_args(sub, common):
-    p = sub.add_parser("serve", parents=[common], help="OpenAI-compatible HTTP server",
-                       description="Serve POST /v1/chat/completions, POST /v1/completions "
-                       "(streaming or not) and GET /v1/models. One engine serves requests in "
-                       "turn; a full queue answers 503 with Retry-After.")
-    p.add_argument("artifact", help="an artifact directory made by `edgespec export`")
+    p = _artifact_command(sub, common, "serve", "OpenAI-compatible HTTP server",
+                          "Serve POST /v1/chat/completions, POST /v1/completions (streaming or "
+                          "not) and GET /v1/models. One engine serves requests in turn; a full "
+                          "queue answers 503 with Retry-After.")
     p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
     p.add_argument("--port", type=int, default=8000, help="default: 8000")
     p.add_argument("--queue", type=int, default=32, help="requests that may wait (default: 32)")
@@ -178,9 +183,7 @@ def _serve(args):
         from apps.server.server import serve
     except ImportError as e:
         raise EdgespecError(f"edgespec serve needs the apps package ({e})") from e
-    from .model import load
-    model = load(args.artifact, device=args.device, threads=args.threads,
-                 verify=not args.no_verify)
+    model = _load(args)
     serve(model, args.host, args.port, args.queue,
           ready=lambda address: print(f"serving {model.artifact.path.name} on "
                                       f"http://{address[0]}:{address[1]}/v1", file=sys.stderr,
@@ -207,10 +210,8 @@ def _export(args):
 
 
 def _generate(args):
-    from .model import load
     from .speculative import SpecStats
-    model = load(args.artifact, device=args.device, threads=args.threads,
-                 verify=not args.no_verify)
+    model = _load(args)
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
     result = model.generate(args.prompt, max_new_tokens=args.max_new_tokens, raw=args.raw,
                             system=args.system, mode="plain" if args.plain else "speculative",

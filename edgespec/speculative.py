@@ -75,8 +75,15 @@ class SpecStats:
 
 
 class _Timer:
+    """Charges the time since the last charge to one of the stats' fields."""
+
     def __init__(self, stats):
-        self.stats, self.last = stats, time.perf_counter()
+        self.stats = stats
+        self.restart()
+
+    def restart(self):
+        """Start counting afresh (after the consumer of a round had its turn)."""
+        self.last = time.perf_counter()
 
     def charge(self, field):
         now = time.perf_counter()
@@ -146,6 +153,7 @@ class SpeculativeDecoder:
         timer.charge("sampling_s")
         history.append(first)
         yield [first]
+        timer.restart()
         produced = 1
         while produced < max_new_tokens:
             room = engine.max_context - len(history)  # positions left after the token fed
@@ -162,6 +170,7 @@ class SpeculativeDecoder:
             history.extend(committed)
             produced += len(committed)
             yield committed
+            timer.restart()
 
 
 def _top_probability(logits) -> float:

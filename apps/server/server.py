@@ -239,6 +239,15 @@ def _client_gone(connection: socket.socket) -> bool:
         return True
 
 
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        """A client that hangs up is routine; anything else is printed."""
+        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            super().handle_error(request, client_address)
+
+
 def serve(model, host="127.0.0.1", port=8000, queue_size=32, ready=None):
     """Serve until interrupted. `ready(address)` is called once the socket listens."""
     worker = Worker(model, queue_size)
@@ -246,11 +255,10 @@ def serve(model, host="127.0.0.1", port=8000, queue_size=32, ready=None):
     handler = type("BoundHandler", (Handler,), {"worker": worker,
                                                 "model_name": model.artifact.path.name})
     try:
-        httpd = ThreadingHTTPServer((host, port), handler)
+        httpd = Server((host, port), handler)
     except OSError as e:
         raise EdgespecError(f"cannot listen on {host}:{port} ({e.strerror}); "
                             "choose another --port") from e
-    httpd.daemon_threads = True
     (ready or (lambda address: None))(httpd.server_address)
     try:
         httpd.serve_forever()
