@@ -129,14 +129,15 @@ class Model:
 
     def stream_ids(self, prompt_ids: list, max_new_tokens: int = 256,
                    mode: str = "speculative", draft_k=None, draft_threshold=None,
-                   reuse_cache: bool = False, **sampling):
+                   reuse_cache: bool = False, ignore_eos: bool = False, **sampling):
         """Generate from token ids: yields Pieces of text, returns the Generation.
 
         reuse_cache keeps the cached prefix shared with the previous call (chat): a turn
         prefills only its new tokens. The reply's own tokens were cached by decode steps,
         whose last bits differ from a prefill's, so a continued conversation can answer
         slightly differently than the same conversation sent afresh. Without reuse_cache
-        every call starts from an empty cache: its output depends only on its input."""
+        every call starts from an empty cache: its output depends only on its input.
+        ignore_eos generates max_new_tokens even past end-of-turn tokens (for load tests)."""
         params = SamplingParams(**sampling)
         policy = self.draft_policy(draft_k, draft_threshold)
         if mode not in MODES:
@@ -154,12 +155,12 @@ class Model:
         else:
             decoder = SpeculativeDecoder(self.engine, params, policy, stats)
             rounds = decoder.rounds(first_logits, history, max_new_tokens)
-        tokens, finish = [], None
+        tokens, finish, stop_ids = [], None, set() if ignore_eos else self.stop_ids
         try:
             for committed in rounds:
                 for i, token in enumerate(committed):
                     tokens.append(token)
-                    if token in self.stop_ids:
+                    if token in stop_ids:
                         finish = "stop"
                         break
                     text = stream.push(token)

@@ -56,7 +56,11 @@ def generation_options(body: dict) -> dict:
         SamplingParams(**sampling)
     except EdgespecError as e:
         raise BadRequest(str(e)) from e
-    return {"max_new_tokens": max_tokens, "stop": stop, "sampling": sampling}
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("ignore_eos must be true or false", "ignore_eos")
+    return {"max_new_tokens": max_tokens, "stop": stop, "sampling": sampling,
+            "ignore_eos": ignore_eos}
 
 
 def chat_messages(body: dict) -> list:

@@ -11,6 +11,7 @@ import select
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -19,6 +20,7 @@ from edgespec.errors import EdgespecError
 from . import openai_api as api
 
 RETRY_AFTER_S = 2
+CHECK_S = 0.25  # how often a waiting handler checks that its client is still there
 
 
 @dataclass
@@ -58,7 +60,8 @@ class Worker(threading.Thread):
         o = job.options
         try:
             pieces = self.model.stream_ids(job.prompt_ids, o["max_new_tokens"],
-                                           reuse_cache=job.chat, **o["sampling"])
+                                           reuse_cache=job.chat, ignore_eos=o["ignore_eos"],
+                                           **o["sampling"])
             generated = 0
             while True:
                 if job.cancelled.is_set():
@@ -151,13 +154,18 @@ class Handler(BaseHTTPRequestHandler):
 
     def _events(self, job, scanner):
         """Text safe to send and the final event; cancels the job on a stop string or when
-        the client has gone."""
+        the client has gone (checked every CHECK_S, streaming or not)."""
+        checked = time.monotonic()
         while True:
             try:
-                event = job.events.get(timeout=0.5)
+                event = job.events.get(timeout=CHECK_S)
             except queue.Empty:
+                event = None
+            if time.monotonic() - checked >= CHECK_S:
+                checked = time.monotonic()
                 if _client_gone(self.connection):
                     job.cancelled.set()
+            if event is None:
                 continue
             if isinstance(event, dict):
                 yield scanner.flush(), event
