@@ -54,3 +54,15 @@ def test_sampled_frequencies_match_the_distribution():
     expected = n * np.array([0.4, 0.3, 0.15, 0.1, 0.05])
     chi2 = ((counts - expected) ** 2 / expected).sum()
     assert chi2 < 18.47  # chi-square, 4 degrees of freedom, p = 0.001
+
+
+@pytest.mark.parametrize("spread", [0.1, 3.0])  # flat: the fallback to a full sort; peaked
+def test_top_p_on_a_large_vocabulary_keeps_the_smallest_set_reaching_p(spread):
+    logits = (np.random.default_rng(4).normal(size=49152) * spread).astype(np.float32)
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    p = distribution(logits, [], params)
+    full = distribution(logits, [], SamplingParams(temperature=1.0))
+    order = np.argsort(-full)
+    needed = np.searchsorted(np.cumsum(full[order]), 0.9) + 1
+    assert np.count_nonzero(p) == needed
+    assert set(np.flatnonzero(p)) == set(order[:needed])
