@@ -124,3 +124,14 @@ def test_rollback_leaves_the_kv_buffers_in_place(tiny_model):
         tiny_model.generate_ids(prompt(seed), 30, draft_k=k)
     assert {n: v.data_ptr() for n, v in tiny_model.engine.kv.items()} == pointers
     assert tiny_model.engine.exit_states.data_ptr() == exit_states
+
+
+def test_fp16_graphs_built_for_cuda_run_lossless_on_the_cpu(tiny_checkpoint, tmp_path):
+    # the CUDA export (fp16 activations) is checked here on the CPU EP, which runs it too
+    export_model(str(tiny_checkpoint), tmp_path / "cuda", device="cuda", log=quiet)
+    model = edgespec.load(tmp_path / "cuda", device="cpu")
+    assert model.engine.dtype == np.float16
+    model.stop_ids = set()
+    for seed in range(3):
+        plain = model.generate_ids(prompt(seed), 30, mode="plain")
+        assert model.generate_ids(prompt(seed), 30, draft_k=3).tokens == plain.tokens
