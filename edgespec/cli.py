@@ -8,8 +8,8 @@ from .errors import EdgespecError
 
 EXAMPLES = """examples:
   edgespec export                          # the bundled SmolLM2-135M-Instruct -> models/smollm2-135m-instruct
-  edgespec chat models/smollm2-135m-instruct --show-drafts
   edgespec export path/to/model.gguf -o models/mine
+  edgespec chat models/smollm2-135m-instruct --show-drafts
   edgespec generate models/smollm2-135m-instruct -p "Name three primes."
   edgespec generate models/smollm2-135m-instruct -p "Hi" --temperature 0.7 --seed 1 --json
   edgespec bench models/smollm2-135m-instruct --prompts ../shared/data/spec_bench_dev.jsonl --per-category 3
