@@ -97,11 +97,15 @@ class SpeculativeDecoder:
         self.engine, self.params, self.policy, self.stats = engine, params, policy, stats
         self.rng = np.random.default_rng(params.seed)
 
-    def choose(self, logits, history):
-        """(token, its distribution or None when greedy) from logits at one position."""
+    def choose(self, logits, history, pending=()):
+        """(token, its distribution or None when greedy) from logits at one position whose
+        history is history + pending (joined only when a penalty or sampling reads it)."""
+        if self.params.greedy and self.params.repetition_penalty == 1.0:
+            return int(np.argmax(logits)), None
+        seen = history + list(pending) if pending else history
         if self.params.greedy:
-            return int(np.argmax(penalize(logits, history, self.params.repetition_penalty))), None
-        p = distribution(logits, history, self.params)
+            return int(np.argmax(penalize(logits, seen, self.params.repetition_penalty))), None
+        p = distribution(logits, seen, self.params)
         return int(self.rng.choice(p.size, p=p)), p
 
     def draft(self, token, history, budget, timer):
@@ -114,7 +118,7 @@ class SpeculativeDecoder:
             timer.charge("head_s")
             if self.policy.threshold and _top_probability(logits) < self.policy.threshold:
                 break
-            d, q = self.choose(logits, history + drafts)
+            d, q = self.choose(logits, history, drafts)
             drafts.append(d)
             dists.append(q)
             timer.charge("sampling_s")
@@ -133,17 +137,16 @@ class SpeculativeDecoder:
     def accept(self, drafts, dists, logits, history):
         """The committed tokens of the round: accepted drafts, then the verifier's token."""
         for i, d in enumerate(drafts):
-            seen = history + drafts[:i]
             if self.params.greedy:
-                target, _ = self.choose(logits[i], seen)
+                target, _ = self.choose(logits[i], history, drafts[:i])
                 if target != d:
                     return drafts[:i] + [target]
                 continue
-            p, q = distribution(logits[i], seen, self.params), dists[i]
+            p, q = distribution(logits[i], history + drafts[:i], self.params), dists[i]
             if self.rng.random() * q[d] >= p[d]:  # reject with probability 1 - min(1, p/q)
                 residual = np.maximum(p - q, 0.0)
                 return drafts[:i] + [int(self.rng.choice(p.size, p=residual / residual.sum()))]
-        return drafts + [self.choose(logits[len(drafts)], history + drafts)[0]]
+        return drafts + [self.choose(logits[len(drafts)], history, drafts)[0]]
 
     def rounds(self, first_logits, history: list, max_new_tokens: int):
         """Yield lists of committed tokens, one list per round (the first from prefill)."""
