@@ -1,5 +1,6 @@
 """`edgespec chat` through a pseudo-terminal, and the multi-turn Python API."""
 import io
+import re
 import sys
 
 import pexpect
@@ -19,8 +20,11 @@ def spawn_chat(artifact, *args, timeout=60):
 
 def test_chat_streams_replies_runs_commands_and_leaves_on_ctrl_d(tiny_int4):
     child = spawn_chat(tiny_int4, "--max-new-tokens", "24", "--show-drafts")
+    child.logfile_read = transcript = io.StringIO()
     child.sendline("hello there")
     child.expect(SUMMARY)
+    accepted = int(re.search(r"accepted (\d+)/", child.after).group(1))
+    assert ("\x1b[32m" in transcript.getvalue()) == (accepted > 0)  # drafted text in green
     child.expect("you> ")
     child.sendline("/set temperature 0.7")
     child.expect(r"\[temperature = 0.7\]")

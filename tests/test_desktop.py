@@ -13,11 +13,15 @@ import edgespec
 def display():
     """An Xvfb screen for the window (the CI installs xvfb)."""
     if shutil.which("Xvfb") is None:
-        pytest.fail("Xvfb is not installed: apt-get install xvfb (.ci/run does)")
-    number = 97
-    server = subprocess.Popen(["Xvfb", f":{number}", "-screen", "0", "800x600x24", "-nolisten",
-                               "tcp"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(1.0)
+        pytest.fail("Xvfb is not installed: apt-get install xvfb (make test does)")
+    read, write = os.pipe()  # Xvfb picks a free display and writes its number here
+    server = subprocess.Popen(["Xvfb", "-displayfd", str(write), "-screen", "0", "800x600x24",
+                               "-nolisten", "tcp"], pass_fds=[write],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        number = pipe.readline().strip()
+    assert number, "Xvfb did not start"
     previous = os.environ.get("DISPLAY")
     os.environ["DISPLAY"] = f":{number}"
     yield os.environ["DISPLAY"]
