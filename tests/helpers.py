@@ -28,14 +28,14 @@ def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 
 
 def make_checkpoint(path: Path, arch: str = "llama", tie: bool = True, layers: int = 4,
-                    seed: int = 0, max_positions: int = 512) -> Path:
+                    seed: int = 0, max_positions: int = 512, rope: dict = None) -> Path:
     torch.manual_seed(seed)
     tokenizer = make_tokenizer(384)
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=max_positions, rms_norm_eps=1e-5, tie_word_embeddings=tie,
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-                  rope_theta=10000.0)
+                  rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0})
     config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # random init is too tame to tell implementations apart: widen it

@@ -30,11 +30,17 @@ def prompt(n, seed=0):
     return [int(t) for t in np.random.default_rng(seed).integers(5, 300, n)]
 
 
-@pytest.fixture(scope="module", params=["llama-tied", "qwen2-untied"])
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+               "rope_theta": 500000.0}
+
+
+@pytest.fixture(scope="module", params=["llama-tied", "qwen2-untied", "llama-tied-llama3rope"])
 def checkpoint_and_artifact(request, tmp_path_factory):
-    arch, tie = request.param.split("-")
+    arch, tie, *rope = request.param.split("-")
     checkpoint = make_checkpoint(tmp_path_factory.mktemp(request.param), arch=arch,
-                                 tie=tie == "tied", seed=1)
+                                 tie=tie == "tied", seed=1,
+                                 rope=LLAMA3_ROPE if rope else None)
     out = tmp_path_factory.mktemp("artifacts") / request.param
     export_model(str(checkpoint), out, precision="fp32", exit_layer=2, log=quiet)
     return checkpoint, edgespec.load(out)
