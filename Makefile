@@ -19,7 +19,7 @@ $(MODEL_DIR)/manifest.json: | $(BIN)/edgespec
 	$(BIN)/edgespec export -o $(MODEL_DIR)
 
 demo: $(MODEL_DIR)/manifest.json
-	$(BIN)/edgespec generate $(MODEL_DIR) -p "What is speculative decoding? Answer in two sentences." --max-new-tokens 96 --stats
+	$(BIN)/edgespec generate $(MODEL_DIR) -p "Give me three tips for staying healthy." --max-new-tokens 160 --stats
 
 # the desktop example's test draws its window on a virtual screen
 xvfb:
