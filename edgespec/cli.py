@@ -108,6 +108,8 @@ def _chat(args):
     settings = {**_sampling(args), "max_new_tokens": args.max_new_tokens,
                 "mode": "plain" if args.plain else "speculative"}
     SamplingParams(**_sampling(args))  # refuse bad values before loading
+    if args.max_new_tokens < 1:
+        raise EdgespecError(f"invalid max-new-tokens {args.max_new_tokens}: it must be >= 1")
     model = _load(args)
     model.draft_policy(args.draft_k, args.draft_threshold)
     for name in ("draft_k", "draft_threshold"):

@@ -216,8 +216,7 @@ class Engine:
         """Run the prompt through both halves in chunks; logits of its last token."""
         ids = np.asarray(ids, dtype=np.int64)
         self._check_room(self.lower_len, len(ids))
-        for start in range(0, len(ids), CHUNK):
-            chunk = ids[start:start + CHUNK]
+        for chunk in _chunks(ids):
             self.lower(chunk)
             first = self.upper(len(chunk))
         return self.head(self.final_states, [first + len(chunk) - 1])[0]
@@ -226,6 +225,16 @@ class Engine:
         """Plain decoding: one token through lower, upper and head; its next-token logits."""
         self.lower([token])
         return self.head(self.final_states, [self.upper(1)])[0]
+
+
+def _chunks(ids):
+    """Pieces of at most CHUNK tokens, none of one token unless the prompt is one token: a
+    one-row lower call gives other bits than a multi-row one (module docstring), and a
+    prompt's numerics should not depend on where a chunk happens to end."""
+    bounds = list(range(0, len(ids), CHUNK)) + [len(ids)]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        bounds[-2] -= 1
+    return [ids[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 class ContextFull(EdgespecError):

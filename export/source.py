@@ -102,7 +102,7 @@ def _sha256_files(paths) -> str:
     return hashes[0] if len(hashes) == 1 else hashlib.sha256("".join(hashes).encode()).hexdigest()
 
 
-def _locate(model):
+def locate(model):
     """(directory or hub id, gguf file name or None, files to hash, short name)."""
     if model is None:
         path = default_model_path()
@@ -145,7 +145,7 @@ def load_source(model=None) -> SourceModel:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    where, gguf_file, files, name = _locate(model)
+    where, gguf_file, files, name = locate(model)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     config = AutoConfig.from_pretrained(where, **kwargs)
     arch = architecture_from_config(config)
