@@ -4,11 +4,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .errors import EdgespecError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 GRAPHS = ("lower", "upper", "head")
+DRAFT_GRAPH, DRAFT_VOCAB = "draft", "draft_vocab.npy"  # optional: exit adapter, shortlist
 
 
 @dataclass
@@ -32,8 +35,19 @@ class Artifact:
     def eos_token_ids(self) -> list:
         return self.manifest["eos_token_ids"]
 
+    @property
+    def graphs(self) -> tuple:
+        """The graphs to load: the three always, the draft graph when export made one."""
+        return GRAPHS + ((DRAFT_GRAPH,) if f"{DRAFT_GRAPH}.onnx" in self.manifest["files"] else ())
+
     def graph(self, name: str) -> Path:
         return self.path / f"{name}.onnx"
+
+    def draft_vocab(self):
+        """Token ids of the draft graph's shortlisted head (its logit i is token ids[i])."""
+        if DRAFT_VOCAB not in self.manifest["files"]:
+            return None
+        return np.load(self.path / DRAFT_VOCAB)
 
 
 def sha256_file(path: Path) -> str:

@@ -11,11 +11,14 @@ HELP = """commands:
   /stats                statistics of the last reply and of the cache
   /set NAME VALUE       change a setting: temperature, top_k, top_p, min_p,
                         repetition_penalty, seed, max_new_tokens, draft_k,
-                        draft_threshold, mode (speculative or plain)
+                        draft_threshold, lookup_k, adaptive (0 or 1),
+                        mode (speculative or plain)
   /exit                 leave (Ctrl-D too); Ctrl-C stops a reply and keeps the conversation"""
 SETTINGS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
             "repetition_penalty": float, "seed": int, "max_new_tokens": int, "draft_k": int,
-            "draft_threshold": float, "mode": str}
+            "draft_threshold": float, "lookup_k": int, "adaptive": lambda v: bool(int(v)),
+            "mode": str}
+DRAFT_SETTINGS = ("draft_k", "draft_threshold", "lookup_k", "adaptive")
 DRAFTED, PLAIN = "\x1b[32m", "\x1b[0m"
 
 
@@ -63,7 +66,7 @@ class ChatSession:
             settings = {**self.settings, name: SETTINGS[name](value)}
             sampling = {k: v for k, v in settings.items() if k in SamplingParams.__dataclass_fields__}
             SamplingParams(**sampling)
-            self.model.draft_policy(settings.get("draft_k"), settings.get("draft_threshold"))
+            self.model.draft_policy(*(settings.get(name) for name in DRAFT_SETTINGS))
             if settings.get("mode", "speculative") not in ("speculative", "plain"):
                 raise EdgespecError(f"invalid mode {value}: speculative or plain")
             if settings.get("max_new_tokens", 1) < 1:

@@ -1,5 +1,6 @@
 """The `edgespec` command: export, chat, generate, bench, serve."""
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -111,19 +112,30 @@ def _chat(args):
     if args.max_new_tokens < 1:
         raise EdgespecError(f"invalid max-new-tokens {args.max_new_tokens}: it must be >= 1")
     model = _load(args)
-    model.draft_policy(args.draft_k, args.draft_threshold)
-    for name in ("draft_k", "draft_threshold"):
-        if getattr(args, name) is not None:
-            settings[name] = getattr(args, name)
+    model.draft_policy(**_draft(args))
+    settings.update({name: value for name, value in _draft(args).items() if value is not None})
     chat.run(model, settings, system=args.system, show_drafts=args.show_drafts)
 
 
 def _draft_args(p):
     p.add_argument("--draft-k", type=int, default=None,
-                   help="the most draft tokens per round (default: the artifact's)")
+                   help="the most early-exit drafts per round, 0 for none (default: the "
+                   "artifact's calibrated value)")
     p.add_argument("--draft-threshold", type=float, default=None,
                    help="stop drafting when the draft's top probability falls below this "
-                   "(adaptive length; default: the artifact's, 0 is off)")
+                   "(default: the artifact's, 0 is off)")
+    p.add_argument("--lookup-k", type=int, default=None,
+                   help="the most prompt-lookup drafts per round, 0 for none (default: the "
+                   "artifact's)")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the scheduler shrink k and pause a drafter while it measures "
+                   "slower than plain decoding (default: the artifact's, normally on)")
+
+
+def _draft(args) -> dict:
+    """The draft policy overrides given on the command line (None: the artifact's)."""
+    return {"draft_k": args.draft_k, "draft_threshold": args.draft_threshold,
+            "lookup_k": args.lookup_k, "adaptive": args.adaptive}
 
 
 def _bench_args(sub, common):
@@ -150,22 +162,27 @@ def _bench(args):
     if not rows:
         raise EdgespecError("no prompts selected")
     model = _load(args)
-    draft = {"draft_k": args.draft_k, "draft_threshold": args.draft_threshold}
+    draft = _draft(args)
     policy = model.draft_policy(**draft)
     results = bench.run(model, rows, args.max_new_tokens, draft)
     summaries = bench.summarize(results)
-    print(f"{args.artifact}: exit layer {model.artifact.exit_layer}, draft k {policy.k}, "
-          f"threshold {policy.threshold}, {args.max_new_tokens} new tokens, greedy")
+    print(f"{args.artifact}: exit layer {model.artifact.exit_layer}, {_policy_line(policy)}, "
+          f"{args.max_new_tokens} new tokens, greedy")
     print(bench.table(summaries))
     if args.json:
         settings = {"artifact": str(args.artifact), "exit_layer": model.artifact.exit_layer,
-                    "draft_k": policy.k, "draft_threshold": policy.threshold,
+                    "draft_policy": dataclasses.asdict(policy),
                     "max_new_tokens": args.max_new_tokens, "threads": args.threads}
         Path(args.json).write_text(json.dumps({"settings": settings, "prompts": results,
                                                "summary": summaries}, indent=1))
     if args.plot:
         bench.plot(summaries, args.plot, f"{Path(args.artifact).name}: exit "
-                   f"{model.artifact.exit_layer}, k {policy.k}")
+                   f"{model.artifact.exit_layer}, {_policy_line(policy)}")
+
+
+def _policy_line(policy):
+    return (f"draft k {policy.k}, threshold {policy.threshold}, lookup k {policy.lookup_k}, "
+            f"{'adaptive' if policy.adaptive else 'fixed'}")
 
 
 def _serve_args(sub, common):
@@ -217,8 +234,7 @@ def _generate(args):
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
     result = model.generate(args.prompt, max_new_tokens=args.max_new_tokens, raw=args.raw,
                             system=args.system, mode="plain" if args.plain else "speculative",
-                            on_text=stream, draft_k=args.draft_k,
-                            draft_threshold=args.draft_threshold, **_sampling(args))
+                            on_text=stream, **_draft(args), **_sampling(args))
     if args.json:
         print(json.dumps(result.to_dict()))
         return

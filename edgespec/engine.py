@@ -8,11 +8,16 @@ same way (LayerSkip's exit query cache): lower writes a position's row, upper an
 head read it, so the draft's lower-layer work is the verifier's. The host sees only token
 ids, lengths and logits.
 
-Losslessness rule: upper never runs a single row after the first position. ONNX Runtime's
-CPU GroupQueryAttention takes another GEMM path for one query row than for several, which
-changes the last bits, and int8 activations downstream turn those bits into different
-tokens. Every multi-row call gives a row the same bits, so a lone row is run together with
-the position before it (recomputed, its KV rewritten with the same values). See DESIGN.md.
+Losslessness rule: lower and upper never run a single row after the first position. ONNX
+Runtime's CPU GroupQueryAttention takes another GEMM path for one query row than for
+several, which changes the last bits, and int8 activations downstream turn those bits into
+different tokens. Every multi-row call gives a row the same bits, so a lone row is run
+together with the position before it (recomputed, its KV rewritten with the same values).
+Then a token's numerics do not depend on how it reached the cache (a plain step, an
+early-exit draft, a prompt-lookup round or a prefill chunk). See DESIGN.md.
+
+The optional draft graph (exit adapter and shortlisted head) reads exit states too and has
+its own KV cache; it only proposes tokens, so its numerics never touch the output.
 """
 import numpy as np
 import onnxruntime as ort
@@ -76,7 +81,7 @@ class Engine:
         self.device = "cuda" if self.provider == "CUDAExecutionProvider" else "cpu"
         options = _session_options(threads)
         self.sessions = {}
-        for name in ("lower", "upper", "head"):
+        for name in artifact.graphs:
             try:
                 self.sessions[name] = ort.InferenceSession(str(artifact.graph(name)), options,
                                                            providers=[self.provider])
@@ -87,13 +92,17 @@ class Engine:
         self.max_context = artifact.max_context
         self.dtype = NUMPY_DTYPE[self.sessions["upper"].get_inputs()[0].type]
         kv_shape = [1, a["num_kv_heads"], self.max_context, a["head_dim"]]
-        self.kv = {name: self._alloc(kv_shape) for s in ("lower", "upper")
+        self.kv = {name: self._alloc(kv_shape) for s in self.sessions if s != "head"
                    for name in self._past_names(s)}
         self.exit_states = self._alloc([1, self.max_context, self.hidden_size])  # by position
         self.final_states = self._alloc([1, CHUNK + 1, self.hidden_size])  # by row of a call
         self.lower_len = self.upper_len = 0  # valid positions in each KV cache
+        self.draft_len = 0  # positions the draft graph's adapter has seen
         self.tokens = []  # the token at each position lower has run
         self._calls = {}
+        self.draft_vocab = artifact.draft_vocab()  # shortlist token ids, or None
+        if "draft" in self.sessions:
+            self._draft_logits = np.full(self.vocab_size, -np.inf, np.float32)
 
     def _alloc(self, shape):
         return ort.OrtValue.ortvalue_from_shape_and_type(shape, self.dtype, self.device, 0)
@@ -108,6 +117,7 @@ class Engine:
         """Forget every position from `length` on, in both halves. Nothing is copied."""
         self.lower_len = min(self.lower_len, length)
         self.upper_len = min(self.upper_len, length)
+        self.draft_len = min(self.draft_len, length)
 
     def cached_tokens(self) -> list:
         """The tokens whose KV both halves hold: a prompt sharing them may skip them."""
@@ -131,10 +141,13 @@ class Engine:
         host = {"seqlens_k": np.zeros([1], np.int32), "total_seq_len": np.zeros([], np.int32)}
         if graph == "lower":
             host["input_ids"] = np.zeros([1, count], np.int64)
-        else:
+        elif graph == "upper":
             self._bind_rows(binding.bind_output, "final_hidden", self.final_states, 0, count)
+        else:
+            host["logits"] = np.zeros([1, 1, len(self.draft_vocab)], self.dtype)
         for name, array in host.items():
-            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+            bind = binding.bind_ortvalue_output if name == "logits" else binding.bind_ortvalue_input
+            bind(name, ort.OrtValue.ortvalue_from_numpy(array))
         for past in self._past_names(graph):
             binding.bind_ortvalue_input(past, self.kv[past])
             binding.bind_ortvalue_output(past.replace("past_", "present_"), self.kv[past])
@@ -175,13 +188,14 @@ class Engine:
         """Run lower on len(ids) new tokens; their exit states land at their positions."""
         count = len(ids)
         self._check_room(self.lower_len, count)
-        call = self._layer_call("lower", count)
-        call.host["input_ids"][0] = ids
-        self._bind_rows(call.binding.bind_output, "exit_hidden", self.exit_states,
-                        self.lower_len, count)
-        self._set_lengths(call, self.lower_len, count)
-        call.run()
         self.tokens[self.lower_len:] = [int(t) for t in ids]
+        anchor = 1 if count == 1 and self.lower_len > 0 else 0
+        first, rows = self.lower_len - anchor, count + anchor
+        call = self._layer_call("lower", rows)
+        call.host["input_ids"][0] = self.tokens[first:first + rows]
+        self._bind_rows(call.binding.bind_output, "exit_hidden", self.exit_states, first, rows)
+        self._set_lengths(call, first, rows)
+        call.run()
         self.lower_len += count
 
     def upper(self, count: int) -> int:
@@ -210,6 +224,27 @@ class Engine:
             call.binding.synchronize_outputs()
         return call.host["logits"][0]
 
+    def draft_head(self):
+        """Draft logits [vocab] for the newest position lower ran: the draft graph (exit
+        adapter, shortlisted head; -inf outside the shortlist) or the shared head on its
+        exit state. The adapter first catches up on positions it has not seen."""
+        newest = self.lower_len - 1
+        if "draft" not in self.sessions:
+            return self.head(self.exit_states, [newest])[0]
+        first = self.draft_len if self._past_names("draft") else newest
+        while first <= newest:
+            count = min(CHUNK, newest + 1 - first)
+            call = self._layer_call("draft", count)
+            self._bind_rows(call.binding.bind_input, "exit_hidden", self.exit_states, first, count)
+            self._set_lengths(call, first, count)
+            call.run()
+            first += count
+        self.draft_len = self.lower_len
+        if self.device != "cpu":
+            call.binding.synchronize_outputs()
+        self._draft_logits[self.draft_vocab] = call.host["logits"][0, 0]
+        return self._draft_logits
+
     # -- prefill and one plain step ----------------------------------------------------------
 
     def prefill(self, ids):
@@ -228,13 +263,8 @@ class Engine:
 
 
 def _chunks(ids):
-    """Pieces of at most CHUNK tokens, none of one token unless the prompt is one token: a
-    one-row lower call gives other bits than a multi-row one (module docstring), and a
-    prompt's numerics should not depend on where a chunk happens to end."""
-    bounds = list(range(0, len(ids), CHUNK)) + [len(ids)]
-    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
-        bounds[-2] -= 1
-    return [ids[a:b] for a, b in zip(bounds, bounds[1:])]
+    """Pieces of at most CHUNK tokens."""
+    return [ids[a:a + CHUNK] for a in range(0, len(ids), CHUNK)]
 
 
 class ContextFull(EdgespecError):

@@ -120,16 +120,20 @@ class Model:
                 on_text(text)
         return stream.result
 
-    def draft_policy(self, draft_k=None, draft_threshold=None) -> DraftPolicy:
-        """The artifact's default draft policy, with any of its values overridden."""
+    def draft_policy(self, draft_k=None, draft_threshold=None, lookup_k=None,
+                     adaptive=None) -> DraftPolicy:
+        """The artifact's default draft policy (chosen by export's calibration), with any of
+        its values overridden."""
         default = self.artifact.manifest.get("draft", {})
-        return DraftPolicy(k=default.get("k", 4) if draft_k is None else draft_k,
-                           threshold=default.get("threshold", 0.0) if draft_threshold is None
-                           else draft_threshold)
+        given = {"k": draft_k, "threshold": draft_threshold, "lookup_k": lookup_k,
+                 "adaptive": adaptive}
+        return DraftPolicy(**{name: default.get(name, getattr(DraftPolicy, name))
+                              if value is None else value for name, value in given.items()})
 
     def stream_ids(self, prompt_ids: list, max_new_tokens: int = 256,
                    mode: str = "speculative", draft_k=None, draft_threshold=None,
-                   reuse_cache: bool = False, ignore_eos: bool = False, **sampling):
+                   lookup_k=None, adaptive=None, reuse_cache: bool = False,
+                   ignore_eos: bool = False, **sampling):
         """Generate from token ids: yields Pieces of text, returns the Generation.
 
         reuse_cache keeps the cached prefix shared with the previous call (chat): a turn
@@ -139,7 +143,7 @@ class Model:
         every call starts from an empty cache: its output depends only on its input.
         ignore_eos generates max_new_tokens even past end-of-turn tokens (for load tests)."""
         params = SamplingParams(**sampling)
-        policy = self.draft_policy(draft_k, draft_threshold)
+        policy = self.draft_policy(draft_k, draft_threshold, lookup_k, adaptive)
         if mode not in MODES:
             raise EdgespecError(f"unknown mode {mode}; available: {', '.join(MODES)}")
         if max_new_tokens < 1:
@@ -185,10 +189,8 @@ class Model:
         reused = 0
         if reuse_cache:
             cached = self.engine.cached_tokens()
-            # prefill at least two tokens: a one-row lower call would give the last prompt
-            # position other bits than a fresh prefill does (see engine.py), and a repeated
-            # request should get the same reply as the first time
-            limit = min(len(cached), len(prompt_ids) - 2)
+            # prefill at least one token: its logits start the reply
+            limit = min(len(cached), len(prompt_ids) - 1)
             while reused < limit and cached[reused] == prompt_ids[reused]:
                 reused += 1
         self.engine.rollback(reused)

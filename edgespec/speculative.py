@@ -1,14 +1,18 @@
-"""Self-speculative decoding: draft with the early exit, verify with the full model, accept.
+"""Self-speculative decoding: draft cheaply, verify with the full model, accept.
 
 One round, starting with the last committed token t (not yet in any cache):
-1. draft:    lower(t), then up to k times: head(exit state) -> draft token d, lower(d).
-             Each lower call is one token, exactly as in plain decoding.
+1. draft:    prompt lookup (the tokens that followed the newest n-gram before) when it
+             finds a match, else the early exit: lower(t), then up to k times: draft head
+             on the exit state -> draft token d, lower(d). A lookup round runs lower once
+             on t and all its drafts. A round may also draft nothing: a plain step.
 2. verify:   upper on the exit states of t, d_1..d_n (one call), head on its rows: the
              verifier's distribution after t and after every draft, the last one the bonus.
 3. accept:   greedy, the longest prefix where the verifier chooses the draft; sampling, the
-             speculative-sampling rule (keeps the verifier's distribution exactly). Then the
-             verifier's own token: the correction at the first rejection, or the bonus.
+             speculative-sampling rule (keeps the verifier's distribution exactly; a lookup
+             draft is a point mass). Then the verifier's own token: the correction at the
+             first rejection, or the bonus.
 4. roll back: both caches keep t and the accepted drafts. Nothing is copied.
+The scheduler (never slower) picks the drafter and k each round from measured speed.
 """
 import time
 from dataclasses import asdict, dataclass
@@ -17,28 +21,46 @@ import numpy as np
 
 from .engine import Engine
 from .errors import EdgespecError
+from .lookup import PromptLookup
 from .sampling import SamplingParams, distribution, penalize
+from .schedule import DRAFTERS, Scheduler
 
 
 @dataclass(frozen=True)
 class DraftPolicy:
-    """k: the most drafts a round; threshold: stop drafting when the draft's top
-    probability falls below it (0: always draft k)."""
+    """k: the most early-exit drafts a round (0: no early-exit drafting); threshold: stop
+    drafting when the draft's top probability falls below it (0: always draft k);
+    lookup_k: the most prompt-lookup drafts a round (0: no lookup); adaptive: let the
+    scheduler shrink k and pause a drafter while it measures slower than plain decoding."""
     k: int = 4
     threshold: float = 0.0
+    lookup_k: int = 0
+    adaptive: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.k, int) or not 1 <= self.k <= 16:
-            raise EdgespecError(f"invalid draft-k {self.k}: it must be an integer in 1..16")
+        for name in ("k", "lookup_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value <= 16:
+                raise EdgespecError(f"invalid {_flag(name)} {value}: it must be an integer "
+                                    "in 0..16")
         if not 0 <= self.threshold < 1:
             raise EdgespecError(f"invalid draft-threshold {self.threshold}: it must be in [0, 1)")
 
 
+def _flag(name):
+    return {"k": "draft-k", "lookup_k": "lookup-k"}[name]
+
+
 @dataclass
 class SpecStats:
-    rounds: int = 0
+    rounds: int = 0          # verify rounds, plain steps included
     drafted: int = 0
     accepted: int = 0
+    exit_drafted: int = 0    # by drafter: early exit ...
+    exit_accepted: int = 0
+    lookup_drafted: int = 0  # ... and prompt lookup
+    lookup_accepted: int = 0
+    plain_steps: int = 0     # rounds without drafts (nothing to draft, or paused)
     draft_s: float = 0.0     # lower runs
     verify_s: float = 0.0    # upper runs
     head_s: float = 0.0      # head runs, draft and verify
@@ -70,7 +92,11 @@ class SpecStats:
         total = self.draft_s + self.verify_s + self.head_s + self.sampling_s or 1.0
         share = " ".join(f"{name} {100 * getattr(self, name + '_s') / total:.0f}%"
                          for name in ("draft", "verify", "head", "sampling"))
-        return (f"accepted {self.accepted}/{self.drafted} ({100 * self.acceptance:.1f}%), "
+        by_drafter = ", ".join(
+            f"{name} {getattr(self, name + '_accepted')}/{getattr(self, name + '_drafted')}"
+            for name in DRAFTERS)
+        return (f"accepted {self.accepted}/{self.drafted} ({100 * self.acceptance:.1f}%; "
+                f"{by_drafter}; {self.plain_steps} plain steps), "
                 f"{self.tokens_per_round:.1f} tokens/round, {share}")
 
 
@@ -96,6 +122,9 @@ class SpeculativeDecoder:
                  stats: SpecStats):
         self.engine, self.params, self.policy, self.stats = engine, params, policy, stats
         self.rng = np.random.default_rng(params.seed)
+        self.lookup = PromptLookup()
+        self.scheduler = Scheduler({"exit": policy.k, "lookup": policy.lookup_k},
+                                   adaptive=policy.adaptive)
 
     def choose(self, logits, history, pending=()):
         """(token, its distribution or None when greedy) from logits at one position whose
@@ -109,12 +138,20 @@ class SpeculativeDecoder:
         return int(self.rng.choice(p.size, p=p)), p
 
     def draft(self, token, history, budget, timer):
-        """Feed `token`, then propose up to `budget` drafts; (drafts, their distributions)."""
+        """Feed `token`, then propose up to `budget` drafts; (drafter, drafts, their
+        distributions: None for greedy and for lookup's point masses)."""
         engine, drafts, dists = self.engine, [], []
+        k = self.scheduler.k("lookup", budget)
+        proposal = self.lookup.propose(history, k) if k else []
+        if proposal:
+            engine.lower([token] + proposal)
+            timer.charge("draft_s")
+            return "lookup", proposal, [None] * len(proposal)
         engine.lower([token])
         timer.charge("draft_s")
-        while len(drafts) < budget:
-            logits = engine.head(engine.exit_states, [engine.lower_len - 1])[0]
+        k = self.scheduler.k("exit", budget)
+        while len(drafts) < k:
+            logits = engine.draft_head()
             timer.charge("head_s")
             if self.policy.threshold and _top_probability(logits) < self.policy.threshold:
                 break
@@ -124,7 +161,7 @@ class SpeculativeDecoder:
             timer.charge("sampling_s")
             engine.lower([d])
             timer.charge("draft_s")
-        return drafts, dists
+        return ("exit" if drafts else None), drafts, dists
 
     def verify(self, n_drafts, timer):
         """Verifier logits after the round's first token and after each draft (n + 1 rows)."""
@@ -143,8 +180,13 @@ class SpeculativeDecoder:
                     return drafts[:i] + [target]
                 continue
             p, q = distribution(logits[i], history + drafts[:i], self.params), dists[i]
-            if self.rng.random() * q[d] >= p[d]:  # reject with probability 1 - min(1, p/q)
-                residual = np.maximum(p - q, 0.0)
+            q_d = 1.0 if q is None else q[d]  # a lookup draft is certain: q is a point mass
+            if self.rng.random() * q_d >= p[d]:  # reject with probability 1 - min(1, p/q)
+                if q is None:
+                    residual = p.copy()
+                    residual[d] = 0.0
+                else:
+                    residual = np.maximum(p - q, 0.0)
                 return drafts[:i] + [int(self.rng.choice(p.size, p=residual / residual.sum()))]
         return drafts + [self.choose(logits[len(drafts)], history, drafts)[0]]
 
@@ -159,21 +201,32 @@ class SpeculativeDecoder:
         timer.restart()
         produced = 1
         while produced < max_new_tokens:
+            began = timer.last
             room = engine.max_context - len(history)  # positions left after the token fed
-            budget = max(0, min(self.policy.k, max_new_tokens - produced - 1, room))
+            budget = max(0, min(max_new_tokens - produced - 1, room))
             base = engine.lower_len
-            drafts, dists = self.draft(history[-1], history, budget, timer)
+            drafter, drafts, dists = self.draft(history[-1], history, budget, timer)
             logits = self.verify(len(drafts), timer)
             committed = self.accept(drafts, dists, logits, history)
             timer.charge("sampling_s")
             engine.rollback(base + len(committed))
-            stats.rounds += 1
-            stats.drafted += len(drafts)
-            stats.accepted += len(committed) - 1
+            self._count(drafter, len(drafts), len(committed) - 1)
+            self.scheduler.record(drafter, len(drafts), len(committed), timer.last - began)
             history.extend(committed)
             produced += len(committed)
             yield committed
             timer.restart()
+
+    def _count(self, drafter, drafted, accepted):
+        stats = self.stats
+        stats.rounds += 1
+        stats.drafted += drafted
+        stats.accepted += accepted
+        if drafter is None:
+            stats.plain_steps += 1
+            return
+        setattr(stats, f"{drafter}_drafted", getattr(stats, f"{drafter}_drafted") + drafted)
+        setattr(stats, f"{drafter}_accepted", getattr(stats, f"{drafter}_accepted") + accepted)
 
 
 def _top_probability(logits) -> float:

@@ -37,8 +37,9 @@ def test_plain_and_speculative_cli_runs_print_the_same_greedy_text(tiny_int4):
 def test_stats_prints_the_acceptance_line(tiny_int4):
     result = run_cli("generate", tiny_int4, "-p", "hello", "--max-new-tokens", "16", "--stats")
     assert result.returncode == 0, result.stderr
-    assert re.search(r"accepted \d+/\d+ \([\d.]+%\), [\d.]+ tokens/round, draft \d+% "
-                     r"verify \d+% head \d+% sampling \d+%", result.stderr)
+    assert re.search(r"accepted \d+/\d+ \([\d.]+%; exit \d+/\d+, lookup \d+/\d+; \d+ plain "
+                     r"steps\), [\d.]+ tokens/round, draft \d+% verify \d+% head \d+% "
+                     r"sampling \d+%", result.stderr)
 
 
 def test_streamed_text_equals_the_json_text(tiny_int4):
@@ -87,7 +88,7 @@ def test_a_full_context_stops_the_reply_without_a_crash(tiny_checkpoint, tmp_pat
     ("--top-p", "0", "top-p"), ("--min-p", "2", "min-p"), ("--top-k", "-3", "top-k"),
     ("--repetition-penalty", "0", "repetition-penalty"), ("--max-new-tokens", "0",
                                                           "max-new-tokens"),
-    ("--draft-k", "0", "draft-k"), ("--draft-threshold", "-0.1", "draft-threshold"),
+    ("--draft-k", "-1", "draft-k"), ("--draft-threshold", "-0.1", "draft-threshold"),
 ])
 def test_invalid_sampling_values_are_one_line_errors(tiny_int4, flag, value, name):
     result = run_cli("generate", tiny_int4, "-p", "hi", flag, value)

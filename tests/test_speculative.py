@@ -9,6 +9,7 @@ from helpers import make_checkpoint, quiet
 import edgespec
 from edgespec.errors import EdgespecError
 from edgespec.sampling import SamplingParams, distribution
+from edgespec.speculative import DraftPolicy, SpecStats, SpeculativeDecoder
 from export.pipeline import export_model
 
 
@@ -24,6 +25,11 @@ def tiny_model(request, tiny_checkpoint, tmp_path_factory):
 
 def prompt(seed, n=12):
     return [int(t) for t in np.random.default_rng(seed).integers(5, 300, n)]
+
+
+def repetitive_prompt(seed):
+    """A prompt that repeats itself, so prompt lookup finds matches."""
+    return prompt(seed, 6) * 3
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 7])
@@ -42,6 +48,28 @@ def test_greedy_equality_holds_with_repetition_penalty_and_adaptive_drafts(tiny_
         ids = prompt(100 + seed)
         plain = tiny_model.generate_ids(ids, 40, mode="plain", repetition_penalty=1.3)
         assert tiny_model.generate_ids(ids, 40, **options).tokens == plain.tokens
+
+
+@pytest.mark.parametrize("draft_k, lookup_k", [(0, 4), (3, 2)])
+def test_greedy_equality_holds_with_prompt_lookup_drafts(tiny_model, draft_k, lookup_k):
+    looked_up = 0
+    for seed in range(6):
+        ids = repetitive_prompt(seed)
+        plain = tiny_model.generate_ids(ids, 40, mode="plain").tokens
+        spec = tiny_model.generate_ids(ids, 40, draft_k=draft_k, lookup_k=lookup_k)
+        assert spec.tokens == plain, f"seed {seed}"
+        looked_up += spec.stats["lookup_drafted"]
+        assert spec.stats["drafted"] == spec.stats["lookup_drafted"] + spec.stats["exit_drafted"]
+    assert looked_up > 0
+
+
+def test_greedy_equality_holds_under_the_adaptive_scheduler(tiny_model):
+    for seed in range(4):
+        ids = repetitive_prompt(50 + seed)
+        plain = tiny_model.generate_ids(ids, 60, mode="plain").tokens
+        spec = tiny_model.generate_ids(ids, 60, draft_k=3, lookup_k=4, adaptive=True)
+        assert spec.tokens == plain, f"seed {seed}"
+        assert spec.stats["plain_steps"] >= 2  # the scheduler measures plain decoding first
 
 
 def test_a_full_context_stops_both_modes_at_the_same_token(tiny_checkpoint, tmp_path):
@@ -86,6 +114,10 @@ def test_speculative_sampling_has_the_verifiers_joint_distribution(tiny_model, p
     for seed in range(n):
         path = tuple(tiny_model.generate_ids(ids, length, seed=seed, draft_k=3, **options).tokens)
         counts[path] = counts.get(path, 0) + 1
+    assert_same_distribution(counts, expected, n)
+
+
+def assert_same_distribution(counts, expected, n):
     assert set(counts) <= set(expected), "sampled a continuation the verifier cannot produce"
     # chi-square over cells with enough expected mass, the rest pooled
     cells = sorted(expected, key=expected.get, reverse=True)
@@ -99,6 +131,26 @@ def test_speculative_sampling_has_the_verifiers_joint_distribution(tiny_model, p
     assert chi2 < critical, f"chi2 {chi2:.1f} over {dof} dof (critical {critical:.1f})"
 
 
+def test_lookup_drafts_accepted_as_point_masses_keep_the_verifiers_distribution(tiny_model):
+    # a lookup draft d is certain (q = 1 at d): accept it with p(d), else resample from p
+    # without d. Then the first committed token has distribution p, the bonus after d p'.
+    params, ids, engine = SamplingParams(temperature=1.0, top_k=5), prompt(11), tiny_model.engine
+    engine.reset()
+    first_logits = engine.prefill(ids).copy()
+    p = distribution(first_logits, ids, params)
+    draft = int(np.argsort(p)[-2])  # likely, but not the likeliest token
+    logits = np.stack([first_logits, engine.step(draft)])
+    after = distribution(logits[1], ids + [draft], params)
+    expected = {(int(t),): p[t] for t in np.flatnonzero(p) if t != draft}
+    expected.update({(draft, int(t)): p[draft] * after[t] for t in np.flatnonzero(after)})
+    decoder = SpeculativeDecoder(engine, params, DraftPolicy(), SpecStats())
+    n, counts = 20000, {}
+    for _ in range(n):
+        path = tuple(decoder.accept([draft], [None], logits, ids))
+        counts[path] = counts.get(path, 0) + 1
+    assert_same_distribution(counts, expected, n)
+
+
 def test_statistics_count_rounds_drafts_and_acceptance(tiny_model):
     result = tiny_model.generate_ids(prompt(3), max_new_tokens=30, draft_k=3)
     s = result.stats
@@ -109,7 +161,8 @@ def test_statistics_count_rounds_drafts_and_acceptance(tiny_model):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(draft_k=0), "invalid draft-k"), (dict(draft_k=99), "invalid draft-k"),
+    (dict(draft_k=-1), "invalid draft-k"), (dict(draft_k=99), "invalid draft-k"),
+    (dict(lookup_k=17), "invalid lookup-k"),
     (dict(draft_threshold=1.5), "invalid draft-threshold"),
 ])
 def test_invalid_draft_options_are_refused(tiny_model, options, message):

@@ -1,0 +1,70 @@
+"""Never slower: each round's drafter and k come from measured speed.
+
+Every round is timed. Plain steps give the baseline (seconds per token); per drafter the
+scheduler keeps moving averages of a round's seconds and committed tokens. A drafter whose
+tokens per second fall below plain decoding's is paused for a while (twice as long each
+time it loses again), then tried afresh: acceptance changes with the text. Within a
+drafter, k grows by one after a round that accepted every draft and shrinks by one after a
+round that did not. Scheduling changes the speed, never the output.
+"""
+DRAFTERS = ("exit", "lookup")
+SMOOTHING = 0.25     # weight of the newest round in the moving averages
+PROBE_STEPS = 2      # plain steps that measure the baseline before any drafting
+TRIAL_ROUNDS = 4     # rounds a drafter gets before it is judged
+FIRST_PAUSE = 16     # tokens decoded without a drafter after it first loses
+MAX_PAUSE = 256
+
+
+def _average(mean, value):
+    return value if mean is None else mean + SMOOTHING * (value - mean)
+
+
+class _Drafter:
+    def __init__(self, k_max):
+        self.k_max = self.k = k_max
+        self.pause, self.paused_until = FIRST_PAUSE, 0
+        self.restart()
+
+    def restart(self):
+        self.seconds = self.tokens = None
+        self.rounds = 0
+
+
+class Scheduler:
+    def __init__(self, k_max: dict, adaptive: bool):
+        """k_max: drafter name -> the most drafts a round (0: never use it)."""
+        self.drafters = {name: _Drafter(k) for name, k in k_max.items()}
+        self.adaptive = adaptive
+        self.plain_s, self.plain_steps = None, 0  # seconds per plain step, steps measured
+        self.produced = 0
+
+    def k(self, name: str, budget: int) -> int:
+        """How many drafts `name` may propose this round (0: do not use it)."""
+        d = self.drafters[name]
+        if not self.adaptive:
+            return min(d.k_max, budget)
+        if self.plain_steps < PROBE_STEPS or self.produced < d.paused_until:
+            return 0
+        return min(d.k, budget)
+
+    def record(self, drafter, drafted: int, committed: int, seconds: float):
+        """Account one round: `drafter` None for a plain step."""
+        self.produced += committed
+        if not self.adaptive:
+            return
+        if drafter is None:
+            self.plain_s = _average(self.plain_s, seconds)
+            self.plain_steps += 1
+            return
+        d = self.drafters[drafter]
+        d.k = min(d.k_max, d.k + 1) if committed > drafted else max(1, d.k - 1)
+        d.seconds, d.tokens = _average(d.seconds, seconds), _average(d.tokens, committed)
+        d.rounds += 1
+        if d.rounds < TRIAL_ROUNDS:
+            return
+        if d.tokens / d.seconds < 1.0 / self.plain_s:
+            d.paused_until = self.produced + d.pause
+            d.pause = min(MAX_PAUSE, 2 * d.pause)
+            d.restart()
+        else:
+            d.pause = FIRST_PAUSE
