@@ -47,8 +47,21 @@ def _export_args(sub, common):
                    help="a .gguf file, a Hugging Face checkpoint directory or hub id "
                    "(default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("-o", "--output", help="artifact directory (default: models/NAME)")
-    p.add_argument("--exit-layer", type=int, default=None,
-                   help="layer after which the draft exits (default: 3/4 of the depth)")
+    p.add_argument("--exit-layer", type=_auto_or(int), default="auto",
+                   help="layer after which the draft exits: a number, or auto (default): the "
+                   "fastest of a few candidates, measured on the artifact")
+    p.add_argument("--adapter", default="auto",
+                   help="exit adapter for the draft: auto (default: the shipped one for this "
+                   "model, else train one), train, none (raw early exit), or an adapter file")
+    p.add_argument("--adapter-minutes", type=float, default=8.0,
+                   help="training time for a new adapter, all exit layers tried (default: 8)")
+    p.add_argument("--save-adapter", metavar="FILE.npz",
+                   help="also keep the chosen adapter here (fp16), for --adapter FILE later")
+    p.add_argument("--shortlist", type=_auto_or(int), default="auto",
+                   help="draft head vocabulary: auto (default: measured), a size, or 0 (full)")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="skip measuring the draft policy (k, threshold, prompt lookup); "
+                   "needs a numeric --exit-layer")
     p.add_argument("--precision", default="int4", choices=("int4", "fp16", "fp32"),
                    help="weight format (default: int4, block 32)")
     p.add_argument("--max-context", type=int, default=None,
@@ -224,8 +237,22 @@ def _export(args):
     except ImportError as e:
         raise EdgespecError(f"edgespec export needs the export extra ({e.name} is missing): "
                             "pip install 'edgespec[export]'") from e
+    if args.no_calibrate and args.exit_layer == "auto":
+        raise EdgespecError("--exit-layer auto is chosen by calibration: give a number with "
+                            "--no-calibrate")
     export_model(args.model, args.output, args.exit_layer, args.precision, args.max_context,
-                 args.device, log=lambda msg: print(msg, file=sys.stderr))
+                 args.device, adapter=None if args.adapter == "none" else args.adapter,
+                 shortlist=args.shortlist or None, calibrate=not args.no_calibrate,
+                 adapter_minutes=args.adapter_minutes, save_adapter=args.save_adapter,
+                 log=lambda msg: print(msg, file=sys.stderr))
+
+
+def _auto_or(kind):
+    """An argparse type: the word auto, or a value of `kind`."""
+    def parse(text):
+        return text if text == "auto" else kind(text)
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _generate(args):

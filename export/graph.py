@@ -3,12 +3,15 @@
 lower: token ids -> embeddings -> layers [0, E)  -> exit hidden h_E  (+ KV of layers < E)
 upper: h_E                     -> layers [E, N)  -> final hidden h_N (+ KV of layers >= E)
 head:  hidden rows             -> final norm -> lm_head -> logits
+draft: h_E -> exit adapter (optional) -> final norm -> shortlisted lm_head -> draft logits
 
 The hidden states passed between graphs are the residual stream (before any norm), so the
 draft (head on h_E) and the verifier (head on h_N) share one head. Blocks use ONNX Runtime's
 LLM ops: GroupQueryAttention (rotary inside; past and present bound to one preallocated
 buffer), MatMulNBits (int4), SimplifiedLayerNormalization and its Skip variant.
 """
+import hashlib
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
@@ -70,12 +73,14 @@ class Blocks:
         self.arch, self.w, self.precision, self.max_context = arch, weights, precision, max_context
         self.store = np.float16 if precision == "fp16" else np.float32
         self.on_layer = lambda: None  # progress callback, once per layer built
+        self._int4 = {}  # (name, weight digest) -> quantized: graphs rebuilt at another exit
 
     def linear(self, g, x, name, w, bias=None):
         """x @ w.T (+ bias); w is [out, in] as in Hugging Face checkpoints."""
         n, k = w.shape
         if self.precision == "int4":
-            q = quantize_int4(w)
+            key = (name, hashlib.sha1(np.ascontiguousarray(w)).hexdigest())
+            q = self._int4.get(key) or self._int4.setdefault(key, quantize_int4(w))
             inputs = [x, g.weight(f"{name}.qweight", q.packed),
                       g.weight(f"{name}.scales", q.scales.astype(g.dtype))]
             if bias is not None:
@@ -175,12 +180,15 @@ class Blocks:
                      g.weight("embed_tokens.scales", q.scales.astype(g.dtype))],
                     domain=MS, bits=8, block_size=BLOCK, gather_axis=0, quantize_axis=1)
 
-    def lm_head(self, g, x):
-        """Logits from normed hidden states. The vocabulary table is 8-bit in int4 artifacts:
-        it decides the top token, and 4 bits there cost the most agreement (DESIGN.md)."""
+    def lm_head(self, g, x, vocab=None):
+        """Logits from normed hidden states, for all tokens or for the ids in `vocab` (a
+        shortlist, stored as its own table). The vocabulary table is 8-bit in int4
+        artifacts: it decides the top token, and 4 bits there cost the most agreement."""
         tied = self.arch.tie_word_embeddings
         name = "embed_tokens" if tied else "lm_head"
         table = self.w["model.embed_tokens.weight" if tied else "lm_head.weight"]
+        if vocab is not None:
+            name, table = "draft_head", table[vocab]
         if self.precision == "int4":
             q = quantize_int8(table)
             return g.op("MatMulNBits", [x, g.weight(f"{name}.qweight", q.packed),
@@ -223,6 +231,23 @@ def build_upper(blocks: Blocks, exit_layer: int, dtype) -> Graph:
     seqlens_k, total_len = _length_inputs(g)
     out = blocks.layers(g, hidden, exit_layer, blocks.arch.num_layers, seqlens_k, total_len)
     g.output(out, "final_hidden", g.dtype, [1, "seq", blocks.arch.hidden_size])
+    return g
+
+
+def build_draft(blocks: Blocks, adapter: bool, vocab, dtype) -> Graph:
+    """Draft logits for the last of the given exit states: through the exit adapter (stored
+    in `blocks` as decoder layer N, with its own KV cache) when there is one, then the
+    final norm and the lm_head rows of `vocab` (None: all)."""
+    g = Graph("draft", dtype)
+    hidden = g.input("exit_hidden", dtype, [1, "seq", blocks.arch.hidden_size])
+    if adapter:
+        seqlens_k, total_len = _length_inputs(g)
+        n = blocks.arch.num_layers
+        hidden = blocks.layers(g, hidden, n, n + 1, seqlens_k, total_len)
+    last = g.op("Gather", [hidden, g.weight("last_row", np.array([-1]))], axis=1)
+    logits = blocks.lm_head(g, blocks.rms_norm(g, last, "model.norm"), vocab)
+    size = blocks.arch.vocab_size if vocab is None else len(vocab)
+    g.output(logits, "logits", g.dtype, [1, 1, size])
     return g
 
 

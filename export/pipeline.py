@@ -9,18 +9,22 @@ from tqdm import tqdm
 from edgespec import __version__
 from edgespec.errors import EdgespecError
 
-from .graph import ACCURACY_LEVEL, Blocks, build_head, build_lower, build_upper
+from edgespec.artifact import DRAFT_VOCAB
+
+from .calibrate import calibrate_draft
+from .graph import ACCURACY_LEVEL, Blocks, build_draft, build_head, build_lower, build_upper
 from .quantize import BLOCK
 from .source import load_source
 from .writer import write_graphs, write_manifest, write_tokenizer
 
 PRECISIONS = ("int4", "fp16", "fp32")
 DEFAULT_MAX_CONTEXT = 4096
-DEFAULT_DRAFT_K = 4  # until calibration measures a better policy
+DEFAULT_DRAFT_K = 4  # without calibration
+DEFAULT_ADAPTER_MINUTES = 8.0
 
 
 def default_exit_layer(num_layers: int) -> int:
-    """Three quarters of the depth until calibration chooses (DESIGN.md)."""
+    """Three quarters of the depth, when calibration does not choose (DESIGN.md)."""
     return max(1, min(num_layers - 1, round(num_layers * 3 / 4)))
 
 
@@ -38,36 +42,35 @@ def check_options(arch, exit_layer, precision, max_context, device):
 
 
 def export_model(model=None, out=None, exit_layer=None, precision="int4", max_context=None,
-                 device="cpu", log=print):
-    """Export MODEL (None: the bundled SmolLM2) and return the manifest written."""
+                 device="cpu", adapter=None, shortlist=None, calibrate=False,
+                 adapter_minutes=DEFAULT_ADAPTER_MINUTES, save_adapter=None, log=print):
+    """Export MODEL (None: the bundled SmolLM2) and return the manifest written.
+
+    exit_layer: a layer number, None (3/4 of the depth) or "auto" (chosen by measured speed
+    among a few candidates). adapter: None (raw early exit), "auto" (the shipped adapter
+    for this model, else train one), "train", or an adapter file. shortlist: None (full
+    vocabulary for the draft head), a size, or "auto". calibrate: measure the draft policy
+    (k, threshold, lookup) on the artifact and make the best the default. save_adapter: keep
+    the adapter used in this file (fp16) for later exports."""
     start = time.perf_counter()
     log(f"reading {model or 'the bundled SmolLM2-135M-Instruct'} ...")
     source = load_source(model)
     arch = source.arch
-    exit_layer = default_exit_layer(arch.num_layers) if exit_layer is None else exit_layer
+    auto = exit_layer == "auto"
+    exit_layer = default_exit_layer(arch.num_layers) if exit_layer in (None, "auto") else exit_layer
     max_context = max_context or min(DEFAULT_MAX_CONTEXT, arch.max_position_embeddings)
     check_options(arch, exit_layer, precision, max_context, device)
     out = Path(out or Path("models") / (source.name + ("" if precision == "int4" else f"-{precision}")))
     # activations: fp32 on CPU (fast int4 kernels), fp16 on CUDA (GroupQueryAttention needs it)
     dtype = np.float16 if device == "cuda" else np.float32
 
-    blocks = Blocks(arch, source.weights, precision, max_context)
-    with tqdm(total=arch.num_layers + 1, desc=f"building {precision} graphs", unit="layer") as bar:
-        blocks.on_layer = lambda: bar.update(1)
-        graphs = [build_lower(blocks, exit_layer, dtype), build_upper(blocks, exit_layer, dtype),
-                  build_head(blocks, dtype)]
-        bar.update(1)
-
     partial = out.with_name(out.name + ".partial")  # a failed export leaves `out` untouched
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    write_graphs(graphs, partial)
-    write_tokenizer(source, partial)
-    manifest = write_manifest(partial, {
+    artifact = ArtifactBuilder(source, Blocks(arch, source.weights, precision, max_context),
+                               partial, dtype, {
         "source": {"model": source.origin, "sha256": source.sha256},
         "architecture": arch.to_dict(),
-        "exit_layer": exit_layer,
-        "draft": {"k": DEFAULT_DRAFT_K, "threshold": 0.0},
         "precision": precision,
         "activation_dtype": np.dtype(dtype).name,
         "device": device,
@@ -75,13 +78,61 @@ def export_model(model=None, out=None, exit_layer=None, precision="int4", max_co
         "eos_token_ids": source.eos_token_ids,
         "bos_token_id": source.bos_token_id,
         "chat_template": "chat_template.jinja",
-        "build": {"edgespec": __version__, "int4_block_size": BLOCK, "int4_accuracy_level": ACCURACY_LEVEL,
-                  "seconds": round(time.perf_counter() - start, 1)},
+        "build": {"edgespec": __version__, "int4_block_size": BLOCK,
+                  "int4_accuracy_level": ACCURACY_LEVEL},
     })
+    if adapter is None and shortlist is None and not calibrate and not auto:
+        artifact.write(exit_layer, {"k": DEFAULT_DRAFT_K, "threshold": 0.0})
+    else:
+        calibrate_draft(artifact, exit_layer, auto, adapter, shortlist, calibrate,
+                        adapter_minutes, save_adapter, log)
+    manifest = artifact.finish(time.perf_counter() - start)
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)
     _summary(out, manifest, time.perf_counter() - start, log)
     return manifest
+
+
+class ArtifactBuilder:
+    """Writes (and rewrites, while calibration tries exit layers and drafts) one artifact."""
+
+    def __init__(self, source, blocks, out, dtype, fields):
+        self.source, self.blocks, self.out, self.dtype, self.fields = source, blocks, out, dtype, fields
+        self.graphs, self.exit_layer, self.extra = [], None, {}
+        write_tokenizer(source, out)
+
+    def write(self, exit_layer, draft, adapter=None, vocab=None, with_draft=False):
+        """Write the graphs for `exit_layer` (and the draft graph) and the manifest."""
+        blocks, arch = self.blocks, self.blocks.arch
+        if exit_layer != self.exit_layer:
+            with tqdm(total=arch.num_layers, desc=f"building {blocks.precision} graphs, exit "
+                      f"layer {exit_layer}", unit="layer", disable=None) as bar:
+                blocks.on_layer = lambda: bar.update(1)
+                self.graphs = [build_lower(blocks, exit_layer, self.dtype),
+                               build_upper(blocks, exit_layer, self.dtype),
+                               build_head(blocks, self.dtype)]
+            self.exit_layer = exit_layer
+        graphs = list(self.graphs)
+        for name in (DRAFT_VOCAB, "draft.onnx", "draft.data"):
+            (self.out / name).unlink(missing_ok=True)
+        self.extra.pop("draft_graph", None)
+        if with_draft:
+            self.extra["draft_graph"] = {"adapter": adapter is not None, "vocab": arch.vocab_size
+                                         if vocab is None else len(vocab)}
+            if adapter is not None:
+                n = arch.num_layers  # the adapter is stored as one more decoder layer
+                blocks.w.update({f"model.layers.{n}.{k}": w for k, w in adapter.items()})
+            blocks.on_layer = lambda: None
+            graphs.append(build_draft(blocks, adapter is not None, vocab, self.dtype))
+            np.save(self.out / DRAFT_VOCAB, np.arange(arch.vocab_size) if vocab is None
+                    else np.asarray(vocab, np.int64))
+        write_graphs(graphs, self.out)
+        self.fields.update(exit_layer=exit_layer, draft=draft)
+        return write_manifest(self.out, {**self.fields, **self.extra})
+
+    def finish(self, seconds):
+        self.fields["build"]["seconds"] = round(seconds, 1)
+        return write_manifest(self.out, {**self.fields, **self.extra})
 
 
 def _summary(out, manifest, seconds, log):
@@ -90,7 +141,15 @@ def _summary(out, manifest, seconds, log):
                       ("lower.data", "upper.data", "head.data") if name in files)
     shared = " (head reads the tied embedding table stored in lower.data)" \
         if arch["tie_word_embeddings"] else ""
+    draft, graph = manifest["draft"], manifest.get("draft_graph", {})
+    drafter = "exit adapter" if graph.get("adapter") else "raw exit"
+    speed = [r["speedup"] for r in draft.get("calibration", {}).get("policies", [])]
     log(f"exported {out}: {arch['model_type']}, {arch['num_layers']} layers, exit layer "
         f"{manifest['exit_layer']}, {manifest['precision']}, context {manifest['max_context']}\n"
         f"  weights, each stored once: {sizes}{shared}\n"
+        f"  draft: {drafter}, head over {graph.get('vocab', arch['vocab_size'])} tokens; policy k "
+        f"{draft['k']}, threshold {draft['threshold']}, lookup k {draft.get('lookup_k', 0)}, "
+        f"{'adaptive' if draft.get('adaptive') else 'fixed'}"
+        + (f"; measured {max(speed):.2f}x plain on the calibration prompts" if speed else "")
+        + "\n"
         f"  total {sum(f['bytes'] for f in files.values()) / 1e6:.1f} MB in {seconds:.0f} s")

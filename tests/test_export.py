@@ -92,11 +92,17 @@ def test_weights_already_on_the_grid_come_back_exactly():
 
 def test_export_cli_prints_a_summary(tiny_checkpoint, tmp_path):
     result = run_cli("export", tiny_checkpoint, "-o", tmp_path / "m", "--exit-layer", "2",
-                     "--precision", "fp16", "--max-context", "256")
+                     "--precision", "fp16", "--max-context", "256", "--adapter", "none",
+                     "--shortlist", "0", "--no-calibrate")
     assert result.returncode == 0, result.stderr
     assert "4 layers, exit layer 2, fp16, context 256" in result.stderr
     manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
     assert (manifest["exit_layer"], manifest["max_context"]) == (2, 256)
+
+
+def test_export_cli_refuses_auto_exit_layer_without_calibration(tiny_checkpoint, tmp_path):
+    result = run_cli("export", tiny_checkpoint, "-o", tmp_path / "m", "--no-calibrate")
+    assert "give a number with --no-calibrate" in one_error_line(result.stderr)
 
 
 def test_unsupported_architecture_is_named(tmp_path):
