@@ -193,7 +193,7 @@ def calibrate_draft(artifact, exit_layer, auto, adapter, shortlist_size, calibra
         weights, layer, counts, meta = load_adapter(ready)
         log(f"adapter: {ready} (exit layer {layer}; made by: {meta.get('command', '?')})")
         candidates = [layer]
-    report = {"exit_layers": {}}
+    report = {"exit_layers": {}, "adapters": {}}
     fixed = {"k": DEFAULT_K, "threshold": 0.0, "lookup_k": 0, "adaptive": False}
     artifact.write(candidates[0], fixed)
     train_prompts = fitting(artifact.out, train_prompts, TRAIN_TOKENS)
@@ -205,31 +205,45 @@ def calibrate_draft(artifact, exit_layer, auto, adapter, shortlist_size, calibra
     sizes = shortlist_sizes(counts)
     vocab = (None if shortlist_size is None else
              shortlist(counts, sizes[-1] if shortlist_size == "auto" else int(shortlist_size)))
-    trained, speeds = {}, {}
+    data, speeds = {}, {}
+    screen = minutes / 4 if len(candidates) > 1 else minutes  # then the chosen one trains on
+
+    def adapter_for(layer, budget):
+        if adapter is None or weights is not None:
+            return weights
+        if layer not in data:
+            data[layer] = sequences if layer == candidates[0] else \
+                with_exit_states(artifact.out, sequences)
+        trained, report["adapters"][layer] = exit_adapter.train(  # resumes: `budget` is the total
+            data[layer], arch, exit_adapter.layer_weights(source.weights, layer),
+            *exit_adapter.head_weights(source.weights, arch), minutes=budget,
+            cache_dir=cache / "adapters", log=log)
+        return trained
+
     for layer in candidates:
         artifact.write(layer, fixed)
-        w = weights
-        if adapter is not None and w is None:
-            data = sequences if layer == candidates[0] else with_exit_states(artifact.out, sequences)
-            w = trained[layer] = exit_adapter.train(
-                data, arch, exit_adapter.layer_weights(source.weights, layer),
-                *exit_adapter.head_weights(source.weights, arch), minutes=minutes / len(candidates),
-                cache_dir=cache / "adapters", log=log)
-        artifact.write(layer, fixed, w, vocab, with_draft=True)
+        artifact.write(layer, fixed, adapter_for(layer, screen), vocab, with_draft=True)
         if calibrate:
             log(f"exit layer {layer}: early-exit drafting, fixed k, on {len(prompts)} held-out "
                 "calibration prompts")
             speeds[layer] = measure(artifact.out, exit_policies(), prompts, log)
             report["exit_layers"][layer] = speeds[layer]
     layer = max(speeds, key=lambda e: best(speeds[e])["speedup"]) if speeds else candidates[0]
-    w = weights if weights is not None else trained.get(layer)
+    artifact.write(layer, fixed)
+    w = adapter_for(layer, screen if len(candidates) == 1 else minutes * 3 / 4)
+    if calibrate and len(candidates) > 1 and w is not weights:
+        log(f"exit layer {layer}, adapter trained on:")
+        artifact.write(layer, fixed, w, vocab, with_draft=True)
+        speeds[layer] = report["exit_layers"][layer] = measure(artifact.out, exit_policies(),
+                                                                prompts, log)
     if adapter is not None and weights is None:
-        artifact.extra["adapter"] = {"trained_minutes": minutes / len(candidates)}
+        artifact.extra["adapter"] = {"trained_minutes": minutes * 3 / 4 if len(candidates) > 1
+                                     else minutes, **report["adapters"][layer]}
     if save and w is not None:
         command = "edgespec export " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["export"] \
             else "export_model(...)"
         save_adapter(save, w, layer, counts, {"source_sha256": source.sha256, "command": command,
-                                             "minutes": minutes / len(candidates)})
+                                             **artifact.extra.get("adapter", {})})
         log(f"adapter kept in {save}")
     if not calibrate:
         artifact.write(layer, fixed, w, vocab, with_draft=True)
