@@ -100,9 +100,10 @@ class Engine:
         self.draft_len = 0  # positions the draft graph's adapter has seen
         self.tokens = []  # the token at each position lower has run
         self._calls = {}
-        self.draft_vocab = artifact.draft_vocab()  # shortlist token ids, or None
+        self.draft_vocab = artifact.draft_vocab()  # the draft graph's token ids, if any
         if "draft" in self.sessions:
-            self._draft_logits = np.full(self.vocab_size, -np.inf, np.float32)
+            self._draft_logits = np.full(self.vocab_size, -np.inf, np.float32)  # -inf: not
+            # in the shortlist, so never drafted
 
     def _alloc(self, shape):
         return ort.OrtValue.ortvalue_from_shape_and_type(shape, self.dtype, self.device, 0)
@@ -231,7 +232,7 @@ class Engine:
         newest = self.lower_len - 1
         if "draft" not in self.sessions:
             return self.head(self.exit_states, [newest])[0]
-        first = self.draft_len if self._past_names("draft") else newest
+        first = min(self.draft_len, newest) if self._past_names("draft") else newest
         while first <= newest:
             count = min(CHUNK, newest + 1 - first)
             call = self._layer_call("draft", count)

@@ -177,95 +177,132 @@ def calibrate_draft(artifact, exit_layer, auto, adapter, shortlist_size, calibra
                     save=None, log=print):
     """Write the artifact with its draft graph, choosing what `auto`/`calibrate` leave open.
 
-    Steps: the calibration replies (for training and for the shortlist's token counts) ->
-    per candidate exit layer: an adapter (shipped, given or trained) and the measured speed
-    of early-exit drafting -> at the best layer: the shortlist size -> the shipped policy."""
-    source, arch = artifact.source, artifact.source.arch
-    train_prompts, held = instructions()
-    prompts = held[:MEASURE_PROMPTS]
-    cache = cache_dir(source)
-    (cache / "adapters").mkdir(parents=True, exist_ok=True)
-    weights = counts = None
-    ready = ready_adapter(source) if adapter == "auto" else \
-        None if adapter in (None, "train") else Path(adapter)
-    candidates = candidate_exit_layers(arch.num_layers) if auto else [exit_layer]
-    if ready:
-        weights, layer, counts, meta = load_adapter(ready)
-        log(f"adapter: {ready} (exit layer {layer}; made by: {meta.get('command', '?')})")
-        candidates = [layer]
-    report = {"exit_layers": {}, "adapters": {}}
-    fixed = {"k": DEFAULT_K, "threshold": 0.0, "lookup_k": 0, "adaptive": False}
-    artifact.write(candidates[0], fixed)
-    train_prompts = fitting(artifact.out, train_prompts, TRAIN_TOKENS)
-    prompts = fitting(artifact.out, prompts, MEASURE_TOKENS)
-    if counts is None or (adapter is not None and weights is None):
-        sequences = exit_adapter.collect(artifact.out, train_prompts, TRAIN_TOKENS,
-                                         cache_dir=cache / "replies", log=log)
-        counts = reply_token_counts(sequences, arch.vocab_size)
-    sizes = shortlist_sizes(counts)
-    vocab = (None if shortlist_size is None else
-             shortlist(counts, sizes[-1] if shortlist_size == "auto" else int(shortlist_size)))
-    data, speeds = {}, {}
-    screen = minutes / 4 if len(candidates) > 1 else minutes  # then the chosen one trains on
+    The calibration replies (adapter training data, the shortlist's token counts) -> per
+    candidate exit layer: an adapter (shipped, given or trained briefly) and the measured
+    speed of early-exit drafting -> the best layer's adapter trained on -> the shortlist
+    size -> the shipped (adaptive) policy."""
+    run = Calibration(artifact, adapter, minutes, log)
+    candidates = [run.ready_layer] if run.ready_layer is not None else \
+        candidate_exit_layers(artifact.source.arch.num_layers) if auto else [exit_layer]
+    run.prepare(candidates[0])
+    vocab = (None if shortlist_size is None else shortlist(
+        run.counts, shortlist_sizes(run.counts)[-1] if shortlist_size == "auto" else shortlist_size))
+    layer, k, weights = run.choose_exit_layer(candidates, vocab, calibrate)
+    if save and weights is not None:
+        run.save(save, weights, layer)
+    if calibrate and shortlist_size == "auto":
+        vocab = run.choose_shortlist(layer, k, weights)
+    if not calibrate:
+        artifact.write(layer, FIXED, weights, vocab, with_draft=True)
+        return
+    artifact.write(layer, FIXED, weights, vocab, with_draft=True)
+    log(f"exit layer {layer}, k {k}: the adaptive policy")
+    run.report["policies"] = measure(artifact.out, final_policies(k), run.prompts, log)
+    chosen = best(run.report["policies"])
+    policy = {"k": chosen["policy"]["draft_k"], "threshold": chosen["policy"].get("draft_threshold", 0.0),
+              "lookup_k": chosen["policy"]["lookup_k"], "adaptive": chosen["policy"]["adaptive"]}
+    log(f"chosen: exit layer {layer}, shortlist {len(vocab) if vocab is not None else 'off'}, "
+        f"{_describe(policy)} ({chosen['speedup']:.2f}x plain on the calibration prompts)")
+    artifact.write(layer, {**policy, "calibration": run.report}, weights, vocab, with_draft=True)
 
-    def adapter_for(layer, budget):
-        if adapter is None or weights is not None:
-            return weights
-        if layer not in data:
-            data[layer] = sequences if layer == candidates[0] else \
-                with_exit_states(artifact.out, sequences)
-        trained, report["adapters"][layer] = exit_adapter.train(  # resumes: `budget` is the total
-            data[layer], arch, exit_adapter.layer_weights(source.weights, layer),
-            *exit_adapter.head_weights(source.weights, arch), minutes=budget,
-            cache_dir=cache / "adapters", log=log)
-        return trained
 
-    for layer in candidates:
-        artifact.write(layer, fixed)
-        artifact.write(layer, fixed, adapter_for(layer, screen), vocab, with_draft=True)
-        if calibrate:
-            log(f"exit layer {layer}: early-exit drafting, fixed k, on {len(prompts)} held-out "
-                "calibration prompts")
-            speeds[layer] = measure(artifact.out, exit_policies(), prompts, log)
-            report["exit_layers"][layer] = speeds[layer]
-    layer = max(speeds, key=lambda e: best(speeds[e])["speedup"]) if speeds else candidates[0]
-    artifact.write(layer, fixed)
-    w = adapter_for(layer, screen if len(candidates) == 1 else minutes * 3 / 4)
-    if calibrate and len(candidates) > 1 and w is not weights:
-        log(f"exit layer {layer}, adapter trained on:")
-        artifact.write(layer, fixed, w, vocab, with_draft=True)
-        speeds[layer] = report["exit_layers"][layer] = measure(artifact.out, exit_policies(),
-                                                                prompts, log)
-    if adapter is not None and weights is None:
-        artifact.extra["adapter"] = {"trained_minutes": minutes * 3 / 4 if len(candidates) > 1
-                                     else minutes, **report["adapters"][layer]}
-    if save and w is not None:
+FIXED = {"k": DEFAULT_K, "threshold": 0.0, "lookup_k": 0, "adaptive": False}
+
+
+class Calibration:
+    """One export's calibration: its prompts, replies, adapters and measurements."""
+
+    def __init__(self, artifact, adapter, minutes, log):
+        self.artifact, self.source, self.adapter = artifact, artifact.source, adapter
+        self.minutes, self.log = minutes, log
+        self.cache = cache_dir(self.source)
+        (self.cache / "adapters").mkdir(parents=True, exist_ok=True)
+        self.report = {"exit_layers": {}, "adapters": {}}
+        self.weights = self.counts = self.ready_layer = None
+        self.exit_states = {}  # exit layer -> the replies with that layer's exit states
+        ready = ready_adapter(self.source) if adapter == "auto" else \
+            None if adapter in (None, "train") else Path(adapter)
+        if ready:
+            self.weights, self.ready_layer, self.counts, meta = load_adapter(ready)
+            log(f"adapter: {ready} (exit layer {self.ready_layer}; made by: "
+                f"{meta.get('command', '?')})")
+
+    @property
+    def training(self) -> bool:
+        return self.adapter is not None and self.weights is None
+
+    def prepare(self, layer):
+        """Write the plain artifact at `layer`; collect the replies if anything needs them."""
+        train_prompts, held = instructions()
+        self.artifact.write(layer, FIXED)
+        self.prompts = fitting(self.artifact.out, held[:MEASURE_PROMPTS], MEASURE_TOKENS)
+        if self.counts is None or self.training:
+            train_prompts = fitting(self.artifact.out, train_prompts, TRAIN_TOKENS)
+            replies = exit_adapter.collect(self.artifact.out, train_prompts, TRAIN_TOKENS,
+                                           cache_dir=self.cache / "replies", log=self.log)
+            self.exit_states[layer] = replies
+            self.counts = reply_token_counts(replies, self.source.arch.vocab_size)
+
+    def adapter_for(self, layer, minutes):
+        """The adapter for `layer`: the given one, or trained up to `minutes` in all (a
+        later call with more minutes resumes from the checkpoint)."""
+        if not self.training:
+            return self.weights
+        if layer not in self.exit_states:
+            first = next(iter(self.exit_states.values()))
+            self.exit_states[layer] = with_exit_states(self.artifact.out, first)
+        weights, self.report["adapters"][layer] = exit_adapter.train(
+            self.exit_states[layer], self.source.arch,
+            exit_adapter.layer_weights(self.source.weights, layer),
+            *exit_adapter.head_weights(self.source.weights, self.source.arch), minutes=minutes,
+            cache_dir=self.cache / "adapters", log=self.log)
+        return weights
+
+    def choose_exit_layer(self, candidates, vocab, calibrate):
+        """(exit layer, k, adapter weights): the fastest early-exit drafting measured."""
+        screen = self.minutes / 4 if len(candidates) > 1 else self.minutes
+        speeds = self.report["exit_layers"]
+        for layer in candidates:
+            self.artifact.write(layer, FIXED)
+            weights = self.adapter_for(layer, screen)
+            if calibrate:
+                speeds[layer] = self._measure_exit(layer, weights, vocab)
+        layer = max(speeds, key=lambda e: best(speeds[e])["speedup"]) if speeds else candidates[0]
+        self.artifact.write(layer, FIXED)
+        if len(candidates) > 1 and self.training:  # the chosen layer's adapter trains on
+            weights = self.adapter_for(layer, screen + self.minutes / 2)
+            if calibrate:
+                speeds[layer] = self._measure_exit(layer, weights, vocab)
+        elif len(candidates) > 1:
+            weights = self.weights
+        if self.training:
+            self.artifact.extra["adapter"] = self.report["adapters"][layer]
+        k = best(speeds[layer])["policy"]["draft_k"] if speeds else DEFAULT_K
+        return layer, k, weights
+
+    def _measure_exit(self, layer, weights, vocab):
+        self.artifact.write(layer, FIXED, weights, vocab, with_draft=True)
+        self.log(f"exit layer {layer}: early-exit drafting, fixed k, on {len(self.prompts)} "
+                 "held-out calibration prompts")
+        return measure(self.artifact.out, exit_policies(), self.prompts, self.log)
+
+    def choose_shortlist(self, layer, k, weights):
+        """The draft head's vocabulary (None: all) that drafts fastest at k."""
+        by_size = {}
+        for size in shortlist_sizes(self.counts) + [None]:
+            vocab = None if size is None else shortlist(self.counts, size)
+            self.artifact.write(layer, FIXED, weights, vocab, with_draft=True)
+            self.log(f"shortlist {size or 'off (full vocabulary)'}:")
+            by_size[size] = measure(self.artifact.out, [exit_policies()[k - 1]], self.prompts,
+                                    self.log)[0]
+        self.report["shortlist"] = {str(s): r for s, r in by_size.items()}
+        size = max(by_size, key=lambda s: by_size[s]["speedup"])
+        return None if size is None else shortlist(self.counts, size)
+
+    def save(self, path, weights, layer):
         command = "edgespec export " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["export"] \
             else "export_model(...)"
-        save_adapter(save, w, layer, counts, {"source_sha256": source.sha256, "command": command,
-                                             **artifact.extra.get("adapter", {})})
-        log(f"adapter kept in {save}")
-    if not calibrate:
-        artifact.write(layer, fixed, w, vocab, with_draft=True)
-        return
-    k = best(speeds[layer])["policy"]["draft_k"]
-    if shortlist_size == "auto":
-        by_size = {}
-        for size in sizes + [None]:
-            vocab = None if size is None else shortlist(counts, size)
-            artifact.write(layer, fixed, w, vocab, with_draft=True)
-            log(f"shortlist {size or 'off (full vocabulary)'}:")
-            by_size[size] = measure(artifact.out, [exit_policies()[k - 1]], prompts, log)[0]
-        report["shortlist"] = {str(s): r for s, r in by_size.items()}
-        size = max(by_size, key=lambda s: by_size[s]["speedup"])
-        vocab = None if size is None else shortlist(counts, size)
-    artifact.write(layer, fixed, w, vocab, with_draft=True)
-    log(f"exit layer {layer}, k {k}: the adaptive policy")
-    report["policies"] = measure(artifact.out, final_policies(k), prompts, log)
-    chosen = best(report["policies"])["policy"]
-    policy = {"k": chosen["draft_k"], "threshold": chosen.get("draft_threshold", 0.0),
-              "lookup_k": chosen["lookup_k"], "adaptive": chosen["adaptive"]}
-    log(f"chosen: exit layer {layer}, shortlist {len(vocab) if vocab is not None else 'off'}, "
-        f"{_describe(policy)} ({best(report['policies'])['speedup']:.2f}x plain on the "
-        "calibration prompts)")
-    artifact.write(layer, {**policy, "calibration": report}, w, vocab, with_draft=True)
+        save_adapter(path, weights, layer, self.counts, {
+            "source_sha256": self.source.sha256, "command": command,
+            **self.report["adapters"].get(layer, {})})
+        self.log(f"adapter kept in {path}")
