@@ -83,3 +83,45 @@ def test_int4_speculative_greedy_equals_plain_on_bench_prompts(smollm2_int4):
         plain = model.generate_ids(ids, 128, mode="plain")
         spec = model.generate_ids(ids, 128, draft_k=k)
         assert spec.tokens == plain.tokens, f"prompt {row['question_id']} ({row['category']}), k {k}"
+
+
+@pytest.fixture(scope="module")
+def drafted(smollm2_int4, tmp_path_factory):
+    """The default model with the shipped exit adapter and a shortlisted draft head."""
+    from export.calibrate import load_adapter, ready_adapter
+    from export.pipeline import export_model
+    from export.source import load_source
+    from helpers import quiet
+    path = ready_adapter(load_source(None))
+    assert path is not None, "models/adapters/ has no adapter for the bundled SmolLM2"
+    out = tmp_path_factory.mktemp("artifacts") / "smollm2-drafted"
+    export_model(None, out, exit_layer=load_adapter(path)[1], adapter=str(path), shortlist=8192,
+                 max_context=1024, log=quiet)
+    return edgespec.load(out)
+
+
+def test_shipped_adapter_drafts_closer_to_the_verifier_than_the_raw_exit(drafted):
+    # along plain greedy replies: how often each draft's top token is the verifier's next
+    engine, hits, n = drafted.engine, {"raw": 0, "adapter": 0}, 0
+    for text in PROMPTS:
+        ids = drafted.encode(text)
+        reply = drafted.generate_ids(ids, 64, mode="plain").tokens
+        engine.reset()
+        engine.prefill(ids)
+        for token in reply[:-1]:
+            raw = int(np.argmax(engine.head(engine.exit_states, [engine.lower_len - 1])[0]))
+            adapted = int(np.argmax(engine.draft_head()))
+            engine.step(token)
+            hits["raw"] += raw == token
+            hits["adapter"] += adapted == token
+            n += 1
+    assert hits["adapter"] > 1.5 * hits["raw"] + 0.05 * n, (hits, n)
+
+
+def test_hybrid_drafting_with_the_adapter_is_lossless_on_bench_prompts(drafted):
+    from edgespec.bench import load_prompts
+    for i, row in enumerate(load_prompts(per_category=1)[:8]):
+        ids = drafted.encode(row["turns"][0])
+        plain = drafted.generate_ids(ids, 128, mode="plain")
+        spec = drafted.generate_ids(ids, 128, draft_k=1 + i % 4, lookup_k=6, adaptive=i % 2 == 0)
+        assert spec.tokens == plain.tokens, f"prompt {row['question_id']} ({row['category']})"
