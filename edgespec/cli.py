@@ -125,8 +125,9 @@ def _chat(args):
     if args.max_new_tokens < 1:
         raise EdgespecError(f"invalid max-new-tokens {args.max_new_tokens}: it must be >= 1")
     model = _load(args)
-    model.draft_policy(**_draft(args))
-    settings.update({name: value for name, value in _draft(args).items() if value is not None})
+    draft = _draft(args)
+    model.draft_policy(**draft)  # refuse bad values before the chat starts
+    settings.update({name: value for name, value in draft.items() if value is not None})
     chat.run(model, settings, system=args.system, show_drafts=args.show_drafts)
 
 

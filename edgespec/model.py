@@ -75,9 +75,7 @@ class Model:
     def __init__(self, path, device: str = "auto", threads: int = None, verify: bool = True):
         self.artifact = open_artifact(path, verify=verify)
         self.engine = Engine(self.artifact, device=device, threads=threads)
-        template_file = self.artifact.path / self.artifact.manifest["chat_template"]
-        template = template_file.read_text() if template_file.is_file() else None
-        self.codec = TextCodec(self.artifact.path, template)
+        self.codec = TextCodec.for_artifact(self.artifact)
         self.stop_ids = set(self.artifact.eos_token_ids)
 
     def encode(self, prompt: str, raw: bool = False, system: str = None) -> list:

@@ -23,6 +23,12 @@ class TextCodec:
         env.globals["raise_exception"] = _raise
         self.template = env.from_string(chat_template) if chat_template else None
 
+    @classmethod
+    def for_artifact(cls, artifact) -> "TextCodec":
+        """The codec of an opened artifact: its tokenizer and chat template (if any)."""
+        template = artifact.path / artifact.manifest["chat_template"]
+        return cls(artifact.path, template.read_text() if template.is_file() else None)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 

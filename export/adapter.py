@@ -77,7 +77,7 @@ def _generate(art, prompts, todo, sequences, files, max_new_tokens, top_k):
     from edgespec.tokenizer import TextCodec
 
     engine = Engine(art, threads=2)
-    codec = TextCodec(art.path, (art.path / art.manifest["chat_template"]).read_text())
+    codec = TextCodec.for_artifact(art)
     eos = set(art.eos_token_ids)
     with tqdm(total=len(todo) * max_new_tokens, desc="collecting generations", unit="tok",
               disable=None) as bar:

@@ -25,6 +25,7 @@ LOOKUP_K = 6
 THRESHOLDS = (0.0, 0.3, 0.6)
 SHORTLIST_COVERAGE = (0.95, 0.99)  # of the calibration replies' tokens
 DEFAULT_K = 4  # early-exit drafts per round while nothing is measured
+FIXED = {"k": DEFAULT_K, "threshold": 0.0, "lookup_k": 0, "adaptive": False}  # uncalibrated
 
 
 def instructions():
@@ -63,7 +64,7 @@ def fitting(artifact_dir, prompts, new_tokens) -> list:
     from edgespec.tokenizer import TextCodec
 
     art = open_artifact(artifact_dir, verify=False)
-    codec = TextCodec(art.path, (art.path / art.manifest["chat_template"]).read_text())
+    codec = TextCodec.for_artifact(art)
     return [p for p in prompts if len(codec.encode_chat([{"role": "user", "content": p}]))
             + new_tokens < art.max_context]
 
@@ -192,10 +193,9 @@ def calibrate_draft(artifact, exit_layer, auto, adapter, shortlist_size, calibra
         run.save(save, weights, layer)
     if calibrate and shortlist_size == "auto":
         vocab = run.choose_shortlist(layer, k, weights)
-    if not calibrate:
-        artifact.write(layer, FIXED, weights, vocab, with_draft=True)
-        return
     artifact.write(layer, FIXED, weights, vocab, with_draft=True)
+    if not calibrate:
+        return
     log(f"exit layer {layer}, k {k}: the adaptive policy")
     run.report["policies"] = measure(artifact.out, final_policies(k), run.prompts, log)
     chosen = best(run.report["policies"])
@@ -204,9 +204,6 @@ def calibrate_draft(artifact, exit_layer, auto, adapter, shortlist_size, calibra
     log(f"chosen: exit layer {layer}, shortlist {len(vocab) if vocab is not None else 'off'}, "
         f"{_describe(policy)} ({chosen['speedup']:.2f}x plain on the calibration prompts)")
     artifact.write(layer, {**policy, "calibration": run.report}, weights, vocab, with_draft=True)
-
-
-FIXED = {"k": DEFAULT_K, "threshold": 0.0, "lookup_k": 0, "adaptive": False}
 
 
 class Calibration:

@@ -11,7 +11,7 @@ from edgespec.errors import EdgespecError
 
 from edgespec.artifact import DRAFT_VOCAB
 
-from .calibrate import calibrate_draft
+from .calibrate import FIXED, calibrate_draft
 from .graph import ACCURACY_LEVEL, Blocks, build_draft, build_head, build_lower, build_upper
 from .quantize import BLOCK
 from .source import load_source
@@ -19,7 +19,6 @@ from .writer import write_graphs, write_manifest, write_tokenizer
 
 PRECISIONS = ("int4", "fp16", "fp32")
 DEFAULT_MAX_CONTEXT = 4096
-DEFAULT_DRAFT_K = 4  # without calibration
 DEFAULT_ADAPTER_MINUTES = 8.0
 
 
@@ -82,7 +81,7 @@ def export_model(model=None, out=None, exit_layer=None, precision="int4", max_co
                   "int4_accuracy_level": ACCURACY_LEVEL},
     })
     if adapter is None and shortlist is None and not calibrate and not auto:
-        artifact.write(exit_layer, {"k": DEFAULT_DRAFT_K, "threshold": 0.0})
+        artifact.write(exit_layer, FIXED)
     else:
         calibrate_draft(artifact, exit_layer, auto, adapter, shortlist, calibrate,
                         adapter_minutes, save_adapter, log)

@@ -86,7 +86,7 @@ def test_int4_speculative_greedy_equals_plain_on_bench_prompts(smollm2_int4):
 
 
 @pytest.fixture(scope="module")
-def drafted(smollm2_int4, tmp_path_factory):
+def drafted(tmp_path_factory):
     """The default model with the shipped exit adapter and a shortlisted draft head."""
     from export.calibrate import load_adapter, ready_adapter
     from export.pipeline import export_model
