@@ -1,7 +1,8 @@
 """`edgespec bench`: plain vs speculative decoding, same artifact, same prompts, one process.
 
-Per prompt (first turn, chat template, greedy): plain, then speculative. Speedup is the ratio
-of their decode tokens/s; identical says whether the two produced the same tokens.
+Per prompt (first turn, chat template, greedy): plain, then speculative, `repeat` times
+interleaved. Speedup is the ratio of their median decode tokens/s; identical says whether
+every run produced the same tokens.
 """
 import json
 import statistics
@@ -44,21 +45,26 @@ def load_prompts(path=None, limit=None, per_category=None, categories=None) -> l
     return rows[:limit] if limit else rows
 
 
-def bench_prompt(model, row, max_new_tokens, **draft) -> dict:
+def bench_prompt(model, row, max_new_tokens, repeat=1, **draft) -> dict:
+    """Plain and speculative decoding of one prompt, interleaved `repeat` times; the speeds
+    are medians over the runs and `identical` holds only if every run matched plain."""
     ids = model.encode(row["turns"][0])
     if len(ids) + max_new_tokens >= model.engine.max_context:
         raise EdgespecError(f"prompt {row['question_id']} has {len(ids)} tokens: too long for "
                             f"the context of {model.engine.max_context} with "
                             f"{max_new_tokens} new tokens")
-    plain = model.generate_ids(ids, max_new_tokens, mode="plain")
-    spec = model.generate_ids(ids, max_new_tokens, mode="speculative", **draft)
+    plains, specs = [], []
+    for _ in range(repeat):
+        plains.append(model.generate_ids(ids, max_new_tokens, mode="plain"))
+        specs.append(model.generate_ids(ids, max_new_tokens, mode="speculative", **draft))
+    plain_speed = statistics.median(g.decode_tokens_per_s for g in plains)
+    spec_speed = statistics.median(g.decode_tokens_per_s for g in specs)
+    spec = specs[-1]
     return {"question_id": row["question_id"], "category": row["category"],
-            "n_prompt": len(ids), "n_generated": spec.n_generated,
-            "plain_tokens_per_s": plain.decode_tokens_per_s,
-            "spec_tokens_per_s": spec.decode_tokens_per_s,
-            "speedup": spec.decode_tokens_per_s / plain.decode_tokens_per_s
-            if plain.decode_tokens_per_s else 0.0,
-            "identical": spec.tokens == plain.tokens,
+            "n_prompt": len(ids), "n_generated": spec.n_generated, "runs": repeat,
+            "plain_tokens_per_s": plain_speed, "spec_tokens_per_s": spec_speed,
+            "speedup": spec_speed / plain_speed if plain_speed else 0.0,
+            "identical": all(g.tokens == plains[0].tokens for g in plains + specs),
             "acceptance": spec.stats["acceptance"],
             "tokens_per_round": spec.stats["tokens_per_round"],
             "time_shares": _shares(spec.stats)}
@@ -123,12 +129,12 @@ def plot(summaries, out, title):
     plt.close(fig)
 
 
-def run(model, rows, max_new_tokens, draft, progress=sys.stderr) -> list:
+def run(model, rows, max_new_tokens, draft, repeat=1, progress=sys.stderr) -> list:
     """Bench every row, printing a progress line per prompt."""
     model.generate("Hello", max_new_tokens=8)  # warm up sessions and allocators
     results = []
     for i, row in enumerate(rows, 1):
-        results.append(bench_prompt(model, row, max_new_tokens, **draft))
+        results.append(bench_prompt(model, row, max_new_tokens, repeat, **draft))
         r = results[-1]
         bar = "#" * (20 * i // len(rows))
         print(f"\r[{bar:20}] {i}/{len(rows)}  {r['category']:14} {r['question_id']:>4}: "

@@ -163,6 +163,8 @@ def _bench_args(sub, common):
     p.add_argument("--limit", type=int, help="at most this many prompts")
     p.add_argument("--per-category", type=int, help="the N lowest question ids of each category")
     p.add_argument("--categories", nargs="+", help="only these categories")
+    p.add_argument("--repeat", type=_positive, default=3, help="runs of each prompt and mode, "
+                   "interleaved; speeds are their medians (default: 3)")
     p.add_argument("--json", metavar="OUT", help="write per-prompt results and summaries here")
     p.add_argument("--plot", metavar="OUT.png", help="bar chart of speedup and acceptance")
     _draft_args(p)
@@ -178,7 +180,7 @@ def _bench(args):
     model = _load(args)
     draft = _draft(args)
     policy = model.draft_policy(**draft)
-    results = bench.run(model, rows, args.max_new_tokens, draft)
+    results = bench.run(model, rows, args.max_new_tokens, draft, args.repeat)
     summaries = bench.summarize(results)
     print(f"{args.artifact}: exit layer {model.artifact.exit_layer}, {_policy_line(policy)}, "
           f"{args.max_new_tokens} new tokens, greedy")
@@ -186,7 +188,8 @@ def _bench(args):
     if args.json:
         settings = {"artifact": str(args.artifact), "exit_layer": model.artifact.exit_layer,
                     "draft_policy": dataclasses.asdict(policy),
-                    "max_new_tokens": args.max_new_tokens, "threads": args.threads}
+                    "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+                    "repeat": args.repeat}
         Path(args.json).write_text(json.dumps({"settings": settings, "prompts": results,
                                                "summary": summaries}, indent=1))
     if args.plot:
@@ -246,6 +249,14 @@ def _export(args):
                  shortlist=args.shortlist or None, calibrate=not args.no_calibrate,
                  adapter_minutes=args.adapter_minutes, save_adapter=args.save_adapter,
                  log=lambda msg: print(msg, file=sys.stderr))
+
+
+def _positive(text):
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
 
 
 def _auto_or(kind):

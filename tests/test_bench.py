@@ -8,18 +8,19 @@ from edgespec.bench import load_prompts
 from edgespec.errors import EdgespecError
 
 PROMPT_FIELDS = {"question_id", "category", "plain_tokens_per_s", "spec_tokens_per_s",
-                 "speedup", "identical", "acceptance", "tokens_per_round"}
+                 "speedup", "identical", "acceptance", "tokens_per_round", "runs"}
 
 
 def test_bench_writes_table_json_and_plot(tiny_int4, tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     result = run_cli("bench", tiny_int4, "--per-category", "1", "--categories", "qa", "math",
-                     "--max-new-tokens", "16", "--json", out, "--plot", png, "--draft-k", "3")
+                     "--max-new-tokens", "16", "--json", out, "--plot", png, "--draft-k", "3",
+                     "--repeat", "2")
     assert result.returncode == 0, result.stderr
     assert "overall" in result.stdout and "speedup" in result.stdout
     report = json.loads(out.read_text())
     assert [p["category"] for p in report["prompts"]] == ["math", "qa"]
-    assert all(PROMPT_FIELDS <= p.keys() for p in report["prompts"])
+    assert all(PROMPT_FIELDS <= p.keys() and p["runs"] == 2 for p in report["prompts"])
     assert all(p["identical"] for p in report["prompts"])  # greedy: lossless
     assert report["summary"]["overall"]["prompts"] == 2 and report["settings"]["draft_policy"]["k"] == 3
     assert png.read_bytes()[:4] == b"\x89PNG"
