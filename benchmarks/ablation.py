@@ -8,10 +8,12 @@ raw early exit (no adapter, full draft head, fixed k 1), + exit adapter, + calib
 calibrated k and threshold, adaptive scheduling), + prompt lookup, + shortlisted draft head
 (the default calibrated artifact as exported). The first two need artifacts without the
 adapter or shortlist: they are exported next to the given one, at its exit layer, once.
+Other options (--prompts, --per-category, --threads, --repeat) go to every `edgespec bench`.
 Prints a markdown table of median speedups per category and the overall time shares.
 """
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -52,9 +54,7 @@ def main():
     p.add_argument("--adapter", default="models/adapters/smollm2-135m-instruct.npz",
                    help="the exit adapter for the '+ adapter' artifact")
     p.add_argument("--out", type=Path, default=Path("ablation"), help="folder for bench JSON")
-    p.add_argument("bench_args", nargs=argparse.REMAINDER,
-                   help="passed to every `edgespec bench` (prompts, --per-category, --threads)")
-    args = p.parse_args()
+    args, bench_args = p.parse_known_args()  # the rest goes to every `edgespec bench`
     args.out.mkdir(exist_ok=True)
     reports = {}
     for i, (name, artifact, flags) in enumerate(configurations(args.artifact, args.adapter,
@@ -62,7 +62,7 @@ def main():
         out = args.out / f"{i}.json"
         print(f"== {name}: {artifact} {' '.join(flags)}", flush=True)
         subprocess.run(EDGESPEC + ["bench", str(artifact), *flags, "--json", str(out),
-                                   *args.bench_args], check=True)
+                                   *bench_args], check=True)
         reports[name] = json.loads(out.read_text())
     print(markdown(reports))
 
@@ -78,11 +78,17 @@ def markdown(reports) -> str:
     lines.append("\nCells: median speedup over plain (median tokens per round). Identical "
                  "outputs: " + ", ".join(f"{n} {100 * r['summary']['overall']['identical']:.0f}%"
                                          for n, r in reports.items()))
+    lines.append("\nPer generated token (ms, medians over prompts): plain decoding, then each "
+                 "configuration's time split into draft (lower runs), verify (upper runs), "
+                 "head (draft and verifier heads) and host (choosing, accepting, lookup)")
     for name, r in reports.items():
-        shares = {k: sum(p["time_shares"][k] for p in r["prompts"]) / len(r["prompts"])
-                  for k in ("draft", "verify", "head", "sampling")}
-        lines.append(f"- {name}: mean time shares " +
-                     ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items()))
+        plain = statistics.median(1000 / p["plain_tokens_per_s"] for p in r["prompts"])
+        parts = {k: statistics.median(1000 * p["time_shares"][k] / p["spec_tokens_per_s"]
+                                      for p in r["prompts"])
+                 for k in ("draft", "verify", "head", "sampling")}
+        lines.append(f"- {name}: plain {plain:.1f}; speculative " +
+                     ", ".join(f"{'host' if k == 'sampling' else k} {v:.1f}"
+                               for k, v in parts.items()))
     return "\n".join(lines)
 
 

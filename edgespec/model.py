@@ -7,7 +7,7 @@ from .decode import plain_rounds
 from .engine import ContextFull, Engine
 from .errors import EdgespecError
 from .sampling import Sampler, SamplingParams
-from .speculative import DraftPolicy, SpecStats, SpeculativeDecoder
+from .speculative import DraftPolicy, SpecStats, SpeculativeDecoder, new_scheduler
 from .tokenizer import StreamDecoder, TextCodec
 
 MODES = ("speculative", "plain")
@@ -77,6 +77,7 @@ class Model:
         self.engine = Engine(self.artifact, device=device, threads=threads)
         self.codec = TextCodec.for_artifact(self.artifact)
         self.stop_ids = set(self.artifact.eos_token_ids)
+        self._schedulers = {}  # draft policy -> its scheduler, kept across generations
 
     def encode(self, prompt: str, raw: bool = False, system: str = None) -> list:
         if raw:
@@ -135,10 +136,10 @@ class Model:
         """Generate from token ids: yields Pieces of text, returns the Generation.
 
         reuse_cache keeps the cached prefix shared with the previous call (chat): a turn
-        prefills only its new tokens. The reply's own tokens were cached by decode steps,
-        whose last bits differ from a prefill's, so a continued conversation can answer
-        slightly differently than the same conversation sent afresh. Without reuse_cache
-        every call starts from an empty cache: its output depends only on its input.
+        prefills only its new tokens. Decode steps cache the same bits a prefill would (no
+        graph runs a single row, see engine.py), so a continued conversation answers as the
+        same conversation sent afresh. Without reuse_cache every call starts from an empty
+        cache.
         ignore_eos generates max_new_tokens even past end-of-turn tokens (for load tests)."""
         params = SamplingParams(**sampling)
         policy = self.draft_policy(draft_k, draft_threshold, lookup_k, adaptive)
@@ -155,7 +156,8 @@ class Model:
             rounds = plain_rounds(self.engine, Sampler(params), first_logits, history,
                                   max_new_tokens)
         else:
-            decoder = SpeculativeDecoder(self.engine, params, policy, stats)
+            decoder = SpeculativeDecoder(self.engine, params, policy, stats,
+                                         self._scheduler(policy))
             rounds = decoder.rounds(first_logits, history, max_new_tokens)
         tokens, finish, stop_ids = [], None, set() if ignore_eos else self.stop_ids
         try:
@@ -181,6 +183,13 @@ class Model:
                           decode_s, mode, finish or "length",
                           stats.to_dict() if mode == "speculative" else {},
                           n_prefilled=len(prompt_ids) - reused)
+
+    def _scheduler(self, policy):
+        """The scheduler of earlier generations with this policy: what it measured of the
+        drafters carries over (see schedule.py)."""
+        if policy not in self._schedulers:
+            self._schedulers[policy] = new_scheduler(policy)
+        return self._schedulers[policy]
 
     def _prefill(self, prompt_ids, reuse_cache):
         """Logits after the prompt, and how many of its tokens the cache already held."""

@@ -6,8 +6,14 @@ tokens per second fall below plain decoding's is paused for a while (twice as lo
 time it loses again), then tried afresh: acceptance changes with the text. Within a
 drafter, k grows by one after a round that accepted every draft and shrinks by one after a
 round that did not. Scheduling changes the speed, never the output.
+
+A model keeps its scheduler from one generation to the next, so a drafter that keeps losing
+stays paused instead of paying its trial rounds in every reply. Only prompt lookup, whose
+worth depends on the text, starts afresh with each prompt; the early exit's depends on the
+model.
 """
 DRAFTERS = ("exit", "lookup")
+TEXT_DRAFTERS = ("lookup",)  # judged afresh for each prompt
 SMOOTHING = 0.25     # weight of the newest round in the moving averages
 PROBE_STEPS = 2      # plain steps that measure the baseline before any drafting
 TRIAL_ROUNDS = 4     # rounds a drafter gets before it is judged
@@ -38,6 +44,14 @@ class Scheduler:
         self.plain_s, self.plain_steps = None, 0  # seconds per plain step, steps measured
         self.produced = 0
 
+    def new_text(self):
+        """A new prompt: forget what the text-dependent drafters measured."""
+        for name in TEXT_DRAFTERS:
+            if name in self.drafters:
+                d = self.drafters[name]
+                d.pause, d.paused_until = FIRST_PAUSE, 0
+                d.restart()
+
     def k(self, name: str, budget: int) -> int:
         """How many drafts `name` may propose this round (0: do not use it)."""
         d = self.drafters[name]
@@ -48,7 +62,8 @@ class Scheduler:
         return min(d.k, budget)
 
     def record(self, drafter, drafted: int, committed: int, seconds: float):
-        """Account one round: `drafter` None for a plain step."""
+        """Account one round: `drafter` None for a plain step; a drafter's round may have
+        drafted nothing (its cost still counts against it)."""
         self.produced += committed
         if not self.adaptive:
             return
@@ -57,7 +72,8 @@ class Scheduler:
             self.plain_steps += 1
             return
         d = self.drafters[drafter]
-        d.k = min(d.k_max, d.k + 1) if committed > drafted else max(1, d.k - 1)
+        if drafted:  # a round without drafts (the confidence gate said no) says nothing of k
+            d.k = min(d.k_max, d.k + 1) if committed > drafted else max(1, d.k - 1)
         d.seconds, d.tokens = _average(d.seconds, seconds), _average(d.tokens, committed)
         d.rounds += 1
         if d.rounds < TRIAL_ROUNDS:

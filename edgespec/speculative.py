@@ -47,6 +47,10 @@ class DraftPolicy:
             raise EdgespecError(f"invalid draft-threshold {self.threshold}: it must be in [0, 1)")
 
 
+def new_scheduler(policy: DraftPolicy) -> Scheduler:
+    return Scheduler({"exit": policy.k, "lookup": policy.lookup_k}, adaptive=policy.adaptive)
+
+
 def _flag(name):
     return {"k": "draft-k", "lookup_k": "lookup-k"}[name]
 
@@ -119,12 +123,13 @@ class _Timer:
 
 class SpeculativeDecoder:
     def __init__(self, engine: Engine, params: SamplingParams, policy: DraftPolicy,
-                 stats: SpecStats):
+                 stats: SpecStats, scheduler: Scheduler = None):
+        """scheduler: one kept from earlier generations with the same policy (else new)."""
         self.engine, self.params, self.policy, self.stats = engine, params, policy, stats
         self.rng = np.random.default_rng(params.seed)
         self.lookup = PromptLookup()
-        self.scheduler = Scheduler({"exit": policy.k, "lookup": policy.lookup_k},
-                                   adaptive=policy.adaptive)
+        self.scheduler = scheduler or new_scheduler(policy)
+        self.scheduler.new_text()
 
     def choose(self, logits, history, pending=()):
         """(token, its distribution or None when greedy) from logits at one position whose
@@ -161,7 +166,9 @@ class SpeculativeDecoder:
             timer.charge("sampling_s")
             engine.lower([d])
             timer.charge("draft_s")
-        return ("exit" if drafts else None), drafts, dists
+        # a round the gate stopped before any draft still paid for the draft head: the
+        # early exit's account, not plain decoding's
+        return ("exit" if k else None), drafts, dists
 
     def verify(self, n_drafts, timer):
         """Verifier logits after the round's first token and after each draft (n + 1 rows)."""
@@ -222,7 +229,7 @@ class SpeculativeDecoder:
         stats.rounds += 1
         stats.drafted += drafted
         stats.accepted += accepted
-        if drafter is None:
+        if not drafted:
             stats.plain_steps += 1
             return
         setattr(stats, f"{drafter}_drafted", getattr(stats, f"{drafter}_drafted") + drafted)

@@ -101,6 +101,10 @@ def test_a_new_turn_prefills_only_its_new_tokens(smollm2_int4):
     cached = first.n_prompt + first.n_generated - 1
     assert second.n_prefilled == second.n_prompt - cached
     assert second.n_prefilled < 20 < second.n_prompt
+    # decode steps leave the same bits in the cache as a prefill would: a continued chat
+    # answers exactly as the same conversation sent afresh
+    fresh = edgespec.load(smollm2_int4).chat(messages, max_new_tokens=24)
+    assert fresh.n_prefilled == fresh.n_prompt and fresh.tokens == second.tokens
 
 
 def test_chat_streams_text_and_reports_the_result(tiny_int4):

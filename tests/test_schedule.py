@@ -62,3 +62,23 @@ def test_a_fixed_policy_always_drafts_k():
     scheduler = Scheduler({"exit": 3, "lookup": 2}, adaptive=False)
     assert run_rounds(scheduler, 1.0, 9.0, 1, 10) == [3] * 10
     assert scheduler.k("lookup", budget=1) == 1
+
+
+def test_rounds_the_confidence_gate_stopped_count_against_their_drafter():
+    scheduler = Scheduler({"exit": 4, "lookup": 0}, adaptive=True)
+    run_rounds(scheduler, 1.0, 1.0, 1, PROBE_STEPS)
+    for _ in range(TRIAL_ROUNDS):  # the draft head ran, then no draft was confident enough
+        assert scheduler.k("exit", budget=8) == 4  # k untouched: nothing was drafted
+        scheduler.record("exit", 0, 1, 1.2)
+    assert scheduler.k("exit", budget=8) == 0  # paused: slower than plain
+
+
+def test_a_new_prompt_retries_lookup_but_keeps_a_losing_exit_paused():
+    scheduler = Scheduler({"exit": 4, "lookup": 4}, adaptive=True)
+    run_rounds(scheduler, plain_s=1.0, round_s=3.0, tokens=1, rounds=PROBE_STEPS + TRIAL_ROUNDS)
+    for _ in range(TRIAL_ROUNDS):
+        scheduler.record("lookup", scheduler.k("lookup", budget=8), 1, 3.0)
+    assert scheduler.k("exit", budget=8) == 0 and scheduler.k("lookup", budget=8) == 0
+    scheduler.new_text()
+    assert scheduler.k("exit", budget=8) == 0  # the model's early exit is still slow
+    assert scheduler.k("lookup", budget=8) > 0  # a new text may copy its prompt

@@ -64,12 +64,14 @@ def test_greedy_equality_holds_with_prompt_lookup_drafts(tiny_model, draft_k, lo
 
 
 def test_greedy_equality_holds_under_the_adaptive_scheduler(tiny_model):
-    for seed in range(4):
+    plain_steps = []
+    for seed in range(4):  # one scheduler for all four: its state carries over
         ids = repetitive_prompt(50 + seed)
         plain = tiny_model.generate_ids(ids, 60, mode="plain").tokens
         spec = tiny_model.generate_ids(ids, 60, draft_k=3, lookup_k=4, adaptive=True)
         assert spec.tokens == plain, f"seed {seed}"
-        assert spec.stats["plain_steps"] >= 2  # the scheduler measures plain decoding first
+        plain_steps.append(spec.stats["plain_steps"])
+    assert sum(plain_steps) >= 2  # the scheduler measures plain decoding first
 
 
 def test_a_full_context_stops_both_modes_at_the_same_token(tiny_checkpoint, tmp_path):
