@@ -1,5 +1,8 @@
 """`edgespec chat`: a streaming terminal chat that keeps the KV cache between turns."""
+import contextlib
+import signal
 import sys
+import threading
 
 from .errors import EdgespecError
 from .sampling import SamplingParams
@@ -113,18 +116,20 @@ class ChatSession:
         max_new, mode = options.pop("max_new_tokens", 512), options.pop("mode", "speculative")
         pieces = self.model.stream_ids(self.model.codec.encode_chat(self.messages), max_new,
                                        mode, reuse_cache=True, **options)
-        try:
-            while True:
-                try:
-                    piece = next(pieces)
-                except StopIteration as done:
-                    return done.value
-                reply.append(piece.text)
-                colour = self.show_drafts and piece.drafted
-                self.out.write(f"{DRAFTED}{piece.text}{PLAIN}" if colour else piece.text)
-                self.out.flush()
-        finally:
-            pieces.close()
+        with _ctrl_c_as_a_flag() as stopped:
+            try:
+                while not stopped:
+                    try:
+                        piece = next(pieces)
+                    except StopIteration as done:
+                        return done.value
+                    reply.append(piece.text)
+                    colour = self.show_drafts and piece.drafted
+                    self.out.write(f"{DRAFTED}{piece.text}{PLAIN}" if colour else piece.text)
+                    self.out.flush()
+            finally:
+                pieces.close()
+        raise KeyboardInterrupt
 
     def _summary(self, r) -> str:
         parts = [f"{r.n_generated} tokens", f"{r.decode_tokens_per_s:.1f} tok/s"]
@@ -149,6 +154,22 @@ class ChatSession:
             del self.messages[first:first + 2]  # the oldest user message and its reply
             self.say("[the context is full: the oldest turn was dropped]")
         return True
+
+
+@contextlib.contextmanager
+def _ctrl_c_as_a_flag():
+    """While a reply streams, Ctrl-C only marks it stopped (the list becomes non-empty); the
+    loop checks the mark between pieces. A KeyboardInterrupt raised at an arbitrary point can
+    land in a finalizer, where Python ignores it, and the reply would not stop."""
+    stopped = []
+    if threading.current_thread() is not threading.main_thread():
+        yield stopped
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: stopped.append(True))
+    try:
+        yield stopped
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run(model, settings: dict, system=None, show_drafts=False):
