@@ -9,7 +9,8 @@ calibrated k and threshold, adaptive scheduling), + prompt lookup, + shortlisted
 (the default calibrated artifact as exported). The first two need artifacts without the
 adapter or shortlist: they are exported next to the given one, at its exit layer, once.
 Other options (--prompts, --per-category, --threads, --repeat) go to every `edgespec bench`.
-Prints a markdown table of median speedups per category and the overall time shares.
+Prints a markdown table of median speedups per category and, per configuration, the
+milliseconds per generated token split into draft, verify, head and host work.
 """
 import argparse
 import json
@@ -35,10 +36,10 @@ def export_variant(artifact: Path, name: str, adapter: str, model: list) -> Path
 def configurations(artifact: Path, adapter_file: str, model: list):
     calibrated = json.loads((artifact / "manifest.json").read_text())["draft"]
     fixed = ["--draft-k", "1", "--lookup-k", "0", "--no-adaptive"]
-    exit_only = ["--draft-k", str(max(1, calibrated["k"])), "--draft-threshold",
-                 str(calibrated["threshold"]), "--lookup-k", "0", "--adaptive"]
-    with_lookup = exit_only[:4] + ["--lookup-k", str(max(1, calibrated["lookup_k"])),
-                                   "--adaptive"]
+    calibrated_exit = ["--draft-k", str(max(1, calibrated["k"])),
+                       "--draft-threshold", str(calibrated["threshold"]), "--adaptive"]
+    exit_only = calibrated_exit + ["--lookup-k", "0"]
+    with_lookup = calibrated_exit + ["--lookup-k", str(max(1, calibrated["lookup_k"]))]
     raw = export_variant(artifact, "raw", "none", model)
     adapted = export_variant(artifact, "adapter", adapter_file, model)
     return [("raw early exit", raw, fixed), ("+ adapter", adapted, fixed),

@@ -59,7 +59,7 @@ def bench_prompt(model, row, max_new_tokens, repeat=1, **draft) -> dict:
         specs.append(model.generate_ids(ids, max_new_tokens, mode="speculative", **draft))
     plain_speed = statistics.median(g.decode_tokens_per_s for g in plains)
     spec_speed = statistics.median(g.decode_tokens_per_s for g in specs)
-    spec = specs[-1]
+    spec = specs[-1]  # its statistics stand for the runs (greedy: same tokens each time)
     return {"question_id": row["question_id"], "category": row["category"],
             "n_prompt": len(ids), "n_generated": spec.n_generated, "runs": repeat,
             "plain_tokens_per_s": plain_speed, "spec_tokens_per_s": spec_speed,

@@ -129,7 +129,7 @@ class ChatSession:
                     self.out.flush()
             finally:
                 pieces.close()
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt  # Ctrl-C stopped the loop: turn() keeps the partial reply
 
     def _summary(self, r) -> str:
         parts = [f"{r.n_generated} tokens", f"{r.decode_tokens_per_s:.1f} tok/s"]

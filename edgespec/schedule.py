@@ -28,6 +28,10 @@ def _average(mean, value):
 class _Drafter:
     def __init__(self, k_max):
         self.k_max = self.k = k_max
+        self.forget()
+
+    def forget(self):
+        """Start with no record: no pause, no measurements (k stays)."""
         self.pause, self.paused_until = FIRST_PAUSE, 0
         self.restart()
 
@@ -47,10 +51,7 @@ class Scheduler:
     def new_text(self):
         """A new prompt: forget what the text-dependent drafters measured."""
         for name in TEXT_DRAFTERS:
-            if name in self.drafters:
-                d = self.drafters[name]
-                d.pause, d.paused_until = FIRST_PAUSE, 0
-                d.restart()
+            self.drafters[name].forget()
 
     def k(self, name: str, budget: int) -> int:
         """How many drafts `name` may propose this round (0: do not use it)."""
