@@ -8,7 +8,7 @@ import numpy as np
 
 from .errors import EdgespecError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: attention pad rows (engine.py), int4 zero points
 MANIFEST = "manifest.json"
 GRAPHS = ("lower", "upper", "head")
 DRAFT_GRAPH, DRAFT_VOCAB = "draft", "draft_vocab.npy"  # optional: exit adapter, shortlist

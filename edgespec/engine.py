@@ -8,13 +8,14 @@ same way (LayerSkip's exit query cache): lower writes a position's row, upper an
 head read it, so the draft's lower-layer work is the verifier's. The host sees only token
 ids, lengths and logits.
 
-Losslessness rule: lower and upper never run a single row after the first position. ONNX
-Runtime's CPU GroupQueryAttention takes another GEMM path for one query row than for
-several, which changes the last bits, and int8 activations downstream turn those bits into
-different tokens. Every multi-row call gives a row the same bits, so a lone row is run
-together with the position before it (recomputed, its KV rewritten with the same values).
-Then a token's numerics do not depend on how it reached the cache (a plain step, an
-early-exit draft, a prompt-lookup round or a prefill chunk). See DESIGN.md.
+Losslessness rule: a token's numerics must not depend on how it reached the cache (a plain
+step, an early-exit draft, a prompt-lookup round or a prefill chunk). ONNX Runtime's CPU
+GroupQueryAttention takes another GEMM path for one query row than for several, and int8
+activations downstream turn those last bits into different tokens. So every graph appends
+PAD_ROWS zero rows to each attention call (export/graph.py): attention always sees several
+rows, the linear layers only the real ones (bit-exact for any row count). The pad's KV lands
+one position past the valid length, so the caches hold one position more than the context.
+See DESIGN.md.
 
 The optional draft graph (exit adapter and shortlisted head) reads exit states too and has
 its own KV cache; it only proposes tokens, so its numerics never touch the output.
@@ -27,6 +28,7 @@ from .artifact import Artifact
 from .errors import EdgespecError
 
 CHUNK = 256  # the most positions one call handles (prefill is cut into chunks)
+PAD_ROWS = 1  # zero rows each graph appends to its attention calls (see above)
 NUMPY_DTYPE = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
@@ -91,11 +93,11 @@ class Engine:
         self.hidden_size, self.vocab_size = a["hidden_size"], a["vocab_size"]
         self.max_context = artifact.max_context
         self.dtype = NUMPY_DTYPE[self.sessions["upper"].get_inputs()[0].type]
-        kv_shape = [1, a["num_kv_heads"], self.max_context, a["head_dim"]]
+        kv_shape = [1, a["num_kv_heads"], self.max_context + PAD_ROWS, a["head_dim"]]
         self.kv = {name: self._alloc(kv_shape) for s in self.sessions if s != "head"
                    for name in self._past_names(s)}
         self.exit_states = self._alloc([1, self.max_context, self.hidden_size])  # by position
-        self.final_states = self._alloc([1, CHUNK + 1, self.hidden_size])  # by row of a call
+        self.final_states = self._alloc([1, CHUNK, self.hidden_size])  # by row of a call
         self.lower_len = self.upper_len = 0  # valid positions in each KV cache
         self.draft_len = 0  # positions the draft graph's adapter has seen
         self.tokens = []  # the token at each position lower has run
@@ -182,37 +184,32 @@ class Engine:
 
     @staticmethod
     def _set_lengths(call, first, count):
-        call.host["seqlens_k"][0] = first + count - 1
-        call.host["total_seq_len"][...] = first + count
+        """Lengths for a call on positions [first, first + count), counting the pad rows."""
+        call.host["seqlens_k"][0] = first + count + PAD_ROWS - 1
+        call.host["total_seq_len"][...] = first + count + PAD_ROWS
 
     def lower(self, ids):
         """Run lower on len(ids) new tokens; their exit states land at their positions."""
-        count = len(ids)
-        self._check_room(self.lower_len, count)
-        self.tokens[self.lower_len:] = [int(t) for t in ids]
-        anchor = 1 if count == 1 and self.lower_len > 0 else 0
-        first, rows = self.lower_len - anchor, count + anchor
-        call = self._layer_call("lower", rows)
-        call.host["input_ids"][0] = self.tokens[first:first + rows]
-        self._bind_rows(call.binding.bind_output, "exit_hidden", self.exit_states, first, rows)
-        self._set_lengths(call, first, rows)
+        count, first = len(ids), self.lower_len
+        self._check_room(first, count)
+        self.tokens[first:] = [int(t) for t in ids]
+        call = self._layer_call("lower", count)
+        call.host["input_ids"][0] = ids
+        self._bind_rows(call.binding.bind_output, "exit_hidden", self.exit_states, first, count)
+        self._set_lengths(call, first, count)
         call.run()
         self.lower_len += count
 
-    def upper(self, count: int) -> int:
-        """Run upper on the next `count` positions' exit states (lower ran them already).
-
-        Returns the row of final_states that holds the first of them (1 when the position
-        before was run along, see the module's losslessness rule)."""
-        self._check_room(self.upper_len, count)
-        anchor = 1 if count == 1 and self.upper_len > 0 else 0
-        first, rows = self.upper_len - anchor, count + anchor
-        call = self._layer_call("upper", rows)
-        self._bind_rows(call.binding.bind_input, "exit_hidden", self.exit_states, first, rows)
-        self._set_lengths(call, first, rows)
+    def upper(self, count: int):
+        """Run upper on the next `count` positions' exit states (lower ran them already);
+        their final states land in rows 0..count-1 of final_states."""
+        first = self.upper_len
+        self._check_room(first, count)
+        call = self._layer_call("upper", count)
+        self._bind_rows(call.binding.bind_input, "exit_hidden", self.exit_states, first, count)
+        self._set_lengths(call, first, count)
         call.run()
         self.upper_len += count
-        return anchor
 
     def head(self, states: ort.OrtValue, rows):
         """Logits [len(rows), vocab] (a host array, reused by the next call) for rows of
@@ -254,13 +251,14 @@ class Engine:
         self._check_room(self.lower_len, len(ids))
         for chunk in _chunks(ids):
             self.lower(chunk)
-            first = self.upper(len(chunk))
-        return self.head(self.final_states, [first + len(chunk) - 1])[0]
+            self.upper(len(chunk))
+        return self.head(self.final_states, [len(chunk) - 1])[0]
 
     def step(self, token: int):
         """Plain decoding: one token through lower, upper and head; its next-token logits."""
         self.lower([token])
-        return self.head(self.final_states, [self.upper(1)])[0]
+        self.upper(1)
+        return self.head(self.final_states, [0])[0]
 
 
 def _chunks(ids):

@@ -172,9 +172,9 @@ class SpeculativeDecoder:
 
     def verify(self, n_drafts, timer):
         """Verifier logits after the round's first token and after each draft (n + 1 rows)."""
-        first = self.engine.upper(n_drafts + 1)
+        self.engine.upper(n_drafts + 1)
         timer.charge("verify_s")
-        logits = self.engine.head(self.engine.final_states, range(first, first + n_drafts + 1))
+        logits = self.engine.head(self.engine.final_states, range(n_drafts + 1))
         timer.charge("head_s")
         return logits
 

@@ -16,6 +16,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from edgespec.engine import PAD_ROWS
+
 from .quantize import BLOCK, quantize_int4, quantize_int8
 
 MS = "com.microsoft"
@@ -69,31 +71,50 @@ class Graph:
 class Blocks:
     """The model's math, one method per block, for a given architecture and precision."""
 
-    def __init__(self, arch, weights, precision, max_context):
+    def __init__(self, arch, weights, precision, max_context, int4_scheme="zp", head_bits=8):
         self.arch, self.w, self.precision, self.max_context = arch, weights, precision, max_context
+        self.int4_scheme, self.head_bits = int4_scheme, head_bits
         self.store = np.float16 if precision == "fp16" else np.float32
         self.on_layer = lambda: None  # progress callback, once per layer built
-        self._int4 = {}  # (name, weight digest) -> quantized: graphs rebuilt at another exit
+        self._quantized = {}  # (name, bits, weight digest) -> quantized weight
 
     def linear(self, g, x, name, w, bias=None):
         """x @ w.T (+ bias); w is [out, in] as in Hugging Face checkpoints."""
         n, k = w.shape
-        if self.precision == "int4":
-            key = (name, hashlib.sha1(np.ascontiguousarray(w)).hexdigest())
-            q = self._int4.get(key) or self._int4.setdefault(key, quantize_int4(w))
-            inputs = [x, g.weight(f"{name}.qweight", q.packed),
-                      g.weight(f"{name}.scales", q.scales.astype(g.dtype))]
+        if self.precision != "int4":
+            y = g.op("MatMul", [x, g.weight(f"{name}.weight", w.T.astype(self.store))])
             if bias is not None:
-                inputs += ["", "", g.weight(f"{name}.bias", bias.astype(g.dtype))]
-            y = g.op("MatMulNBits", inputs, domain=MS, K=k, N=n, bits=4, block_size=BLOCK,
-                     accuracy_level=ACCURACY_LEVEL)
-            # stored [N, blocks] like the scales; the Transpose is folded when ORT loads
-            offsets = g.op("Transpose", [g.weight(f"{name}.offsets", q.offsets.astype(g.dtype))])
-            return g.op("Add", [y, g.op("MatMul", [self.block_sums(g, x, k), offsets])])
-        y = g.op("MatMul", [x, g.weight(f"{name}.weight", w.T.astype(self.store))])
+                y = g.op("Add", [y, g.weight(f"{name}.bias", bias.astype(self.store))])
+            return y
+        q = self.quantized(name, w, 4)
+        inputs = [x, *self.nbits_inputs(g, name, q)]
         if bias is not None:
-            y = g.op("Add", [y, g.weight(f"{name}.bias", bias.astype(self.store))])
-        return y
+            inputs += ["", g.weight(f"{name}.bias", bias.astype(g.dtype))]
+        y = g.op("MatMulNBits", inputs, domain=MS, K=k, N=n, bits=4, block_size=BLOCK,
+                 accuracy_level=ACCURACY_LEVEL)
+        if q.offsets is None:
+            return y
+        # q4_1: stored [N, blocks] like the scales; the Transpose is folded when ORT loads
+        offsets = g.op("Transpose", [g.weight(f"{name}.offsets", q.offsets.astype(g.dtype))])
+        return g.op("Add", [y, g.op("MatMul", [self.block_sums(g, x, k), offsets])])
+
+    def quantized(self, name, w, bits):
+        """w in `bits` (4: the export's int4 scheme), once per export: calibration rebuilds
+        the graphs at other exit layers. Vocabulary tables use zero points at 4 bits, as
+        GatherBlockQuantized has no float minimum."""
+        key = (name, bits, hashlib.sha1(np.ascontiguousarray(w)).hexdigest())
+        if key not in self._quantized:
+            scheme = self.int4_scheme if name.startswith("layers.") else "zp"
+            self._quantized[key] = quantize_int8(w) if bits == 8 else quantize_int4(w, scheme)
+        return self._quantized[key]
+
+    @staticmethod
+    def nbits_inputs(g, name, q):
+        """MatMulNBits' weight, scales and zero points ("" when the default) inputs."""
+        zero_points = getattr(q, "zero_points", None)
+        return [g.weight(f"{name}.qweight", q.packed),
+                g.weight(f"{name}.scales", q.scales.astype(g.dtype)),
+                "" if zero_points is None else g.weight(f"{name}.zero_points", zero_points)]
 
     def block_sums(self, g, x, k):
         """[.., K] -> [.., K/BLOCK]: the sum of each block of x (once per input, not per use)."""
@@ -119,17 +140,25 @@ class Blocks:
         qkv_b = (np.concatenate([self.w[p + f"{m}_proj.bias"] for m in "qkv"])
                  if a.attention_bias else None)
         qkv = self.linear(g, x, f"layers.{layer}.qkv", qkv_w, qkv_b)
+        # zero rows after the new ones: attention never runs a single query row, so a token
+        # gets the same bits alone as among others (see edgespec/engine.py); their KV lands
+        # past the valid length, where the next call overwrites it
+        pad = g.weight(f"pad_row_{qkv_w.shape[0]}", np.zeros([1, PAD_ROWS, qkv_w.shape[0]], g.dtype))
         kv_shape = [1, a.num_kv_heads, "cache_len", a.head_dim]
         past_k = g.input(f"past_key.{layer}", g.dtype, kv_shape)
         past_v = g.input(f"past_value.{layer}", g.dtype, kv_shape)
         out, present_k, present_v = g.op(
-            "GroupQueryAttention", [qkv, "", "", past_k, past_v, seqlens_k, total_len, cos, sin],
+            "GroupQueryAttention", [g.op("Concat", [qkv, pad], axis=1), "", "", past_k, past_v,
+                                    seqlens_k, total_len, cos, sin],
             outputs=[f"attn_{layer}", f"present_key.{layer}", f"present_value.{layer}"],
             domain=MS, num_heads=a.num_heads, kv_num_heads=a.num_kv_heads, do_rotary=1,
             rotary_interleaved=0, local_window_size=self._window())
         g.outputs += [helper.make_tensor_value_info(name, ONNX_DTYPE[g.dtype], kv_shape)
                       for name in (present_k, present_v)]
-        return self.linear(g, out, f"layers.{layer}.o", self.w[p + "o_proj.weight"])
+        unpadded = g.op("Slice", [out, g.weight("zero", np.array([0])),
+                                  g.weight("minus_pad", np.array([-PAD_ROWS])),
+                                  g.weight("axis_1", np.array([1]))])
+        return self.linear(g, unpadded, f"layers.{layer}.o", self.w[p + "o_proj.weight"])
 
     def _window(self):
         window = self.arch.sliding_window
@@ -140,7 +169,7 @@ class Blocks:
         gate_up_w = np.concatenate([self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"]])
         gate, up = g.op("Split", [self.linear(g, x, f"layers.{layer}.gate_up", gate_up_w)],
                         n_out=2, axis=-1, num_outputs=2)
-        silu = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
+        silu = g.op("QuickGelu", [gate], domain=MS, alpha=1.0)  # x * sigmoid(x) in one op
         return self.linear(g, g.op("Mul", [silu, up]), f"layers.{layer}.down",
                            self.w[p + "down_proj.weight"])
 
@@ -166,35 +195,35 @@ class Blocks:
         inv_freq = 1.0 / a.rope_theta ** (np.arange(0, a.head_dim, 2, dtype=np.float64) / a.head_dim)
         if a.rope_scaling.get("rope_type") == "llama3":
             inv_freq = llama3_inv_freq(inv_freq, a.rope_scaling)
-        angles = np.outer(np.arange(self.max_context, dtype=np.float64), inv_freq)
+        positions = np.arange(self.max_context + PAD_ROWS, dtype=np.float64)
+        angles = np.outer(positions, inv_freq)
         return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
 
     def embedding(self, g, ids):
         table = self.w["model.embed_tokens.weight"]
         if self.precision != "int4":
             return g.op("Gather", [g.weight("embed_tokens", table.astype(self.store)), ids], axis=0)
-        q = quantize_int8(table)
-        # the same bytes as the lm_head's MatMulNBits weight, viewed as [vocab, hidden]
-        return g.op("GatherBlockQuantized",
-                    [g.weight("embed_tokens.qweight", q.packed.reshape(table.shape[0], -1)), ids,
-                     g.weight("embed_tokens.scales", q.scales.astype(g.dtype))],
-                    domain=MS, bits=8, block_size=BLOCK, gather_axis=0, quantize_axis=1)
+        q = self.quantized("embed_tokens", table, self.head_bits)
+        qweight, scales, zero_points = self.nbits_inputs(g, "embed_tokens", q)
+        # the same bytes as the lm_head's MatMulNBits weight, viewed as [vocab, hidden bytes]
+        g.initializers[qweight] = q.packed.reshape(table.shape[0], -1)
+        return g.op("GatherBlockQuantized", [qweight, ids, scales, zero_points], domain=MS,
+                    bits=self.head_bits, block_size=BLOCK, gather_axis=0, quantize_axis=1)
 
     def lm_head(self, g, x, vocab=None):
         """Logits from normed hidden states, for all tokens or for the ids in `vocab` (a
-        shortlist, stored as its own table). The vocabulary table is 8-bit in int4
-        artifacts: it decides the top token, and 4 bits there cost the most agreement."""
+        shortlist, stored as its own table). In int4 artifacts the vocabulary table has
+        head_bits (8 or 4, with zero points): it decides the top token."""
         tied = self.arch.tie_word_embeddings
         name = "embed_tokens" if tied else "lm_head"
         table = self.w["model.embed_tokens.weight" if tied else "lm_head.weight"]
         if vocab is not None:
             name, table = "draft_head", table[vocab]
         if self.precision == "int4":
-            q = quantize_int8(table)
-            return g.op("MatMulNBits", [x, g.weight(f"{name}.qweight", q.packed),
-                                        g.weight(f"{name}.scales", q.scales.astype(g.dtype))],
-                        domain=MS, K=table.shape[1], N=table.shape[0], bits=8, block_size=BLOCK,
-                        accuracy_level=ACCURACY_LEVEL)
+            q = self.quantized(name, table, self.head_bits)
+            return g.op("MatMulNBits", [x, *self.nbits_inputs(g, name, q)], domain=MS,
+                        K=table.shape[1], N=table.shape[0], bits=self.head_bits,
+                        block_size=BLOCK, accuracy_level=ACCURACY_LEVEL)
         # Gemm with transB reads the table as stored: one copy for lookup and lm_head
         rows = g.op("Reshape", [x, g.weight("rows_by_hidden", np.array([-1, table.shape[1]]))])
         logits = g.op("Gemm", [rows, g.weight(name, table.astype(self.store))], transB=1)

@@ -11,15 +11,18 @@ from edgespec.errors import EdgespecError
 
 from edgespec.artifact import DRAFT_VOCAB
 
+from . import quality
 from .calibrate import FIXED, calibrate_draft
 from .graph import ACCURACY_LEVEL, Blocks, build_draft, build_head, build_lower, build_upper
-from .quantize import BLOCK
+from .quantize import BLOCK, INT4_SCHEMES
 from .source import load_source
 from .writer import write_graphs, write_manifest, write_tokenizer
 
 PRECISIONS = ("int4", "fp16", "fp32")
+HEAD_BITS = (4, 8)
 DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_ADAPTER_MINUTES = 8.0
+DEFAULT_HEAD_BITS = 8
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -27,11 +30,27 @@ def default_exit_layer(num_layers: int) -> int:
     return max(1, min(num_layers - 1, round(num_layers * 3 / 4)))
 
 
-def check_options(arch, exit_layer, precision, max_context, device):
+def check_formats(precision, device, int4_scheme, head_bits):
+    """The options that need no model: checked before minutes are spent loading one."""
     if precision not in PRECISIONS:
         raise EdgespecError(f"unknown precision {precision}; choose one of {', '.join(PRECISIONS)}")
+    if int4_scheme not in INT4_SCHEMES:
+        raise EdgespecError(f"unknown int4 scheme {int4_scheme}; choose one of "
+                            f"{', '.join(INT4_SCHEMES)}")
+    if head_bits not in HEAD_BITS:
+        raise EdgespecError(f"unsupported head bits {head_bits}; choose 4 or 8")
     if device not in ("cpu", "cuda"):
         raise EdgespecError(f"unknown device {device}; choose cpu or cuda")
+
+
+def check_options(arch, exit_layer, max_context, precision):
+    if precision == "int4":
+        inputs = {"hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
+                  "num_heads * head_dim": arch.num_heads * arch.head_dim}
+        for name, size in inputs.items():
+            if size % BLOCK:
+                raise EdgespecError(f"int4 needs layer inputs in blocks of {BLOCK}, but the "
+                                    f"model's {name} is {size}; export with --precision fp16")
     if not 1 <= exit_layer < arch.num_layers:
         raise EdgespecError(f"exit layer {exit_layer} is out of range; the model has "
                             f"{arch.num_layers} layers, so choose 1..{arch.num_layers - 1}")
@@ -42,7 +61,8 @@ def check_options(arch, exit_layer, precision, max_context, device):
 
 def export_model(model=None, out=None, exit_layer=None, precision="int4", max_context=None,
                  device="cpu", adapter=None, shortlist=None, calibrate=False,
-                 adapter_minutes=DEFAULT_ADAPTER_MINUTES, save_adapter=None, log=print):
+                 adapter_minutes=DEFAULT_ADAPTER_MINUTES, save_adapter=None, int4_scheme="zp",
+                 head_bits=DEFAULT_HEAD_BITS, log=print):
     """Export MODEL (None: the bundled SmolLM2) and return the manifest written.
 
     exit_layer: a layer number, None (3/4 of the depth) or "auto" (chosen by measured speed
@@ -50,15 +70,18 @@ def export_model(model=None, out=None, exit_layer=None, precision="int4", max_co
     for this model, else train one), "train", or an adapter file. shortlist: None (full
     vocabulary for the draft head), a size, or "auto". calibrate: measure the draft policy
     (k, threshold, lookup) on the artifact and make the best the default. save_adapter: keep
-    the adapter used in this file (fp16) for later exports."""
+    the adapter used in this file (fp16) for later exports. int4_scheme: "zp" (4-bit zero
+    points, one op a linear layer) or "q4_1" (the GGUF Q4_1 grid, exact for Q4_1 sources,
+    slower); head_bits: 8 or 4 for the vocabulary table of int4 artifacts."""
     start = time.perf_counter()
+    check_formats(precision, device, int4_scheme, head_bits)
     log(f"reading {model or 'the bundled SmolLM2-135M-Instruct'} ...")
     source = load_source(model)
     arch = source.arch
     auto = exit_layer == "auto"
     exit_layer = default_exit_layer(arch.num_layers) if exit_layer in (None, "auto") else exit_layer
     max_context = max_context or min(DEFAULT_MAX_CONTEXT, arch.max_position_embeddings)
-    check_options(arch, exit_layer, precision, max_context, device)
+    check_options(arch, exit_layer, max_context, precision)
     out = Path(out or Path("models") / (source.name + ("" if precision == "int4" else f"-{precision}")))
     # activations: fp32 on CPU (fast int4 kernels), fp16 on CUDA (GroupQueryAttention needs it)
     dtype = np.float16 if device == "cuda" else np.float32
@@ -66,26 +89,33 @@ def export_model(model=None, out=None, exit_layer=None, precision="int4", max_co
     partial = out.with_name(out.name + ".partial")  # a failed export leaves `out` untouched
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    artifact = ArtifactBuilder(source, Blocks(arch, source.weights, precision, max_context),
-                               partial, dtype, {
-        "source": {"model": source.origin, "sha256": source.sha256},
-        "architecture": arch.to_dict(),
-        "precision": precision,
-        "activation_dtype": np.dtype(dtype).name,
-        "device": device,
-        "max_context": max_context,
-        "eos_token_ids": source.eos_token_ids,
-        "bos_token_id": source.bos_token_id,
-        "chat_template": "chat_template.jinja",
-        "build": {"edgespec": __version__, "int4_block_size": BLOCK,
-                  "int4_accuracy_level": ACCURACY_LEVEL},
-    })
-    if adapter is None and shortlist is None and not calibrate and not auto:
-        artifact.write(exit_layer, FIXED)
-    else:
-        calibrate_draft(artifact, exit_layer, auto, adapter, shortlist, calibrate,
-                        adapter_minutes, save_adapter, log)
-    manifest = artifact.finish(time.perf_counter() - start)
+    try:  # an error or Ctrl-C leaves no half-written artifact behind
+        blocks = Blocks(arch, source.weights, precision, max_context, int4_scheme, head_bits)
+        artifact = ArtifactBuilder(source, blocks, partial, dtype, {
+            "source": {"model": source.origin, "sha256": source.sha256},
+            "architecture": arch.to_dict(),
+            "precision": precision,
+            "activation_dtype": np.dtype(dtype).name,
+            "device": device,
+            "max_context": max_context,
+            "eos_token_ids": source.eos_token_ids,
+            "bos_token_id": source.bos_token_id,
+            "chat_template": "chat_template.jinja",
+            "build": {"edgespec": __version__, "int4_block_size": BLOCK,
+                      "int4_accuracy_level": ACCURACY_LEVEL, "int4_scheme": int4_scheme,
+                      "head_bits": head_bits},
+        })
+        if adapter is None and shortlist is None and not calibrate and not auto:
+            artifact.write(exit_layer, FIXED)
+        else:
+            calibrate_draft(artifact, exit_layer, auto, adapter, shortlist, calibrate,
+                            adapter_minutes, save_adapter, log)
+        log("measuring quality against the full-precision model ...")
+        artifact.fields["quality"] = quality.measure(source, partial, max_context)
+        manifest = artifact.finish(time.perf_counter() - start)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)
     _summary(out, manifest, time.perf_counter() - start, log)
@@ -140,7 +170,7 @@ def _summary(out, manifest, seconds, log):
                       ("lower.data", "upper.data", "head.data") if name in files)
     shared = " (head reads the tied embedding table stored in lower.data)" \
         if arch["tie_word_embeddings"] else ""
-    draft, graph = manifest["draft"], manifest.get("draft_graph", {})
+    draft, graph, q = manifest["draft"], manifest.get("draft_graph", {}), manifest["quality"]
     drafter = "exit adapter" if graph.get("adapter") else "raw exit"
     speed = [r["speedup"] for r in draft.get("calibration", {}).get("policies", [])]
     log(f"exported {out}: {arch['model_type']}, {arch['num_layers']} layers, exit layer "
@@ -151,4 +181,7 @@ def _summary(out, manifest, seconds, log):
         f"{'adaptive' if draft.get('adaptive') else 'fixed'}"
         + (f"; measured {max(speed):.2f}x plain on the calibration prompts" if speed else "")
         + "\n"
+        f"  quality on a fixed {q['tokens']}-token text: top-1 agreement {q['top1_agreement']:.3f} "
+        f"with the full-precision model, perplexity {q['perplexity']:.2f} "
+        f"(full precision {q['reference_perplexity']:.2f})\n"
         f"  total {sum(f['bytes'] for f in files.values()) / 1e6:.1f} MB in {seconds:.0f} s")

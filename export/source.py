@@ -54,6 +54,7 @@ class SourceModel:
     chat_template: str
     eos_token_ids: list
     bos_token_id: int = None
+    torch_model: object = None  # the full-precision reference (shares memory with weights)
 
 
 def default_model_path() -> Path:
@@ -161,5 +162,6 @@ def load_source(model=None) -> SourceModel:
                        sha256=_sha256_files(files), arch=arch, weights=weights,
                        tokenizer=tokenizer, chat_template=tokenizer.chat_template or "",
                        eos_token_ids=[int(e) for e in eos],
-                       bos_token_id=getattr(config, "bos_token_id", None))
+                       bos_token_id=getattr(config, "bos_token_id", None),
+                       torch_model=torch_model.eval())
 

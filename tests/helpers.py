@@ -1,6 +1,13 @@
-"""Test helpers: a tiny random Llama-family checkpoint made on the fly, and the CLI runner."""
+"""Test helpers: a tiny random Llama-family checkpoint made on the fly, the CLI runner, and
+a server in a subprocess spoken to over raw HTTP."""
+import hashlib
+import http.client
+import json
+import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,10 +35,11 @@ def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 
 
 def make_checkpoint(path: Path, arch: str = "llama", tie: bool = True, layers: int = 4,
-                    seed: int = 0, max_positions: int = 512, rope: dict = None) -> Path:
+                    seed: int = 0, max_positions: int = 512, rope: dict = None,
+                    intermediate_size: int = 128) -> Path:
     torch.manual_seed(seed)
     tokenizer = make_tokenizer(384)
-    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=intermediate_size,
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=max_positions, rms_norm_eps=1e-5, tie_word_embeddings=tie,
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
@@ -61,3 +69,140 @@ def one_error_line(stderr: str) -> str:
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in stderr, stderr
     return errors[0]
+
+
+def rewrite_artifact_file(artifact: Path, name: str, data: bytes):
+    """Replace one file of an artifact and update its size and sha256 in the manifest, so
+    only what the test changes is wrong."""
+    (artifact / name).write_bytes(data)
+    path = artifact / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    path.write_text(json.dumps(manifest))
+
+
+# -- `edgespec serve` in a subprocess, and raw HTTP on loopback -------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(artifact, *args):
+    """`edgespec serve ARTIFACT ARGS` on a free port; (process, port) once it answers."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "edgespec", "serve", str(artifact),
+                                "--port", str(port), *args], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            health(port)
+            return process, port
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(process.stderr.read())
+
+
+def stop_server(process):
+    process.terminate()
+    process.wait(10)
+
+
+def health(port) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/health")
+        return json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+
+
+def wait_idle(port, timeout=30) -> dict:
+    """/health once nothing runs or waits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = health(port)
+        if not state["busy"] and state["queued"] == 0:
+            return state
+        time.sleep(0.05)
+    raise AssertionError(f"the server stayed busy: {state}")
+
+
+def wait_busy(port, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not health(port)["busy"]:
+        assert time.monotonic() < deadline, "the server never started the request"
+        time.sleep(0.01)
+
+
+def request_bytes(body: bytes, path="/v1/chat/completions", method="POST", headers=None) -> bytes:
+    """A raw HTTP/1.1 request; Content-Length from the body unless `headers` sets framing."""
+    headers = {"Host": "x", "Content-Type": "application/json",
+               **({"Content-Length": str(len(body))} if headers is None else headers)}
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return f"{method} {path} HTTP/1.1\r\n{head}\r\n".encode() + body
+
+
+def chat_body(content="hi", **fields) -> bytes:
+    return json.dumps({"model": "art", "max_tokens": 4, "temperature": 0,
+                       "messages": [{"role": "user", "content": content}], **fields}).encode()
+
+
+def read_response(reader):
+    """One HTTP response from a socket's binary file: (status, headers, body). Bodies with a
+    Content-Length are read whole; without one, up to the end of the connection."""
+    status_line = reader.readline()
+    if not status_line:
+        raise ConnectionError("the server closed the connection without an answer")
+    status = int(status_line.split()[1])
+    headers = {}
+    for line in iter(reader.readline, b"\r\n"):
+        if not line:
+            break
+        name, _, value = line.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    length = headers.get("content-length")
+    body = reader.read(int(length)) if length is not None else reader.read()
+    return status, headers, body
+
+
+def exchange(port, raw: bytes, timeout=10):
+    """Send raw bytes on a new connection and read one response (status, headers, body)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(raw)
+        return read_response(sock.makefile("rb"))
+
+
+def open_stream(port, max_tokens=4000):
+    """Start a long streaming chat (ignore_eos) on a raw socket; returns it after the first
+    bytes."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    body = json.dumps({"model": "art", "stream": True, "max_tokens": max_tokens,
+                       "ignore_eos": True, "messages": [{"role": "user", "content": "go"}]})
+    sock.sendall(request_bytes(body.encode()))
+    return sock, sock.recv(4096)
+
+
+def server_threads(process) -> int:
+    """Threads the server process runs now (Linux)."""
+    return len(os.listdir(f"/proc/{process.pid}/task"))
+
+
+def settled_threads(process) -> int:
+    """The server's thread count at rest: the least seen over half a second (a handler
+    thread may take a moment to end after its client closes)."""
+    counts = []
+    for _ in range(20):
+        counts.append(server_threads(process))
+        time.sleep(0.025)
+    return min(counts)
+
+
+def wait_threads(process, at_most, timeout=15):
+    deadline = time.monotonic() + timeout
+    while server_threads(process) > at_most:
+        assert time.monotonic() < deadline, \
+            f"the server still runs {server_threads(process)} threads, {at_most} when idle"
+        time.sleep(0.05)

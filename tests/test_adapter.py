@@ -9,7 +9,7 @@ import torch
 from helpers import quiet
 from onnx import numpy_helper
 
-from edgespec.engine import _session_options
+from edgespec.engine import PAD_ROWS, _session_options
 from export.adapter import (AdapterLayer, agreement, collect, distill_loss, head_weights,
                             layer_weights, train)
 from export.graph import Blocks, Graph
@@ -92,8 +92,9 @@ def onnx_layer(arch, weights, layer, hidden, max_context=64):
                                    providers=["CPUExecutionProvider"])
     length = hidden.shape[1]
     past = np.zeros([1, arch.num_kv_heads, max_context, arch.head_dim], np.float32)
-    feeds = {"hidden": hidden, "seqlens_k": np.array([length - 1], np.int32),
-             "total_seq_len": np.array(length, np.int32),
+    total = length + PAD_ROWS  # the lengths count the rows the graph appends
+    feeds = {"hidden": hidden, "seqlens_k": np.array([total - 1], np.int32),
+             "total_seq_len": np.array(total, np.int32),
              f"past_key.{layer}": past, f"past_value.{layer}": past}
     return session.run(["out"], feeds)[0]
 

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import edgespec
 import export.graph
+import export.quantize
 from edgespec.errors import EdgespecError
 from export.pipeline import export_model
 from export.quantize import (BLOCK, dequantize_int4, dequantize_int8, quantize_int4,
@@ -32,7 +33,7 @@ def test_artifact_has_the_three_graphs_tokenizer_and_a_complete_manifest(tiny_in
                  "chat_template.jinja"):
         assert name in manifest["files"] and (tiny_int4 / name).is_file()
     assert set(manifest["files"]) == {p.name for p in tiny_int4.iterdir()} - {"manifest.json"}
-    assert manifest["format_version"] == 1 and manifest["precision"] == "int4"
+    assert manifest["format_version"] == 2 and manifest["precision"] == "int4"
     assert manifest["architecture"]["num_layers"] == 4
     assert 1 <= manifest["exit_layer"] < 4
     assert all(len(info["sha256"]) == 64 for info in manifest["files"].values())
@@ -51,21 +52,29 @@ def test_every_weight_is_stored_once(tiny_int4):
     assert tensors["head"]["embed_tokens.qweight"][0] == "lower.data"
 
 
-@pytest.mark.parametrize("arch, tie", [("llama", True), ("qwen2", False)])
-def test_int4_graphs_compute_exactly_the_dequantized_model(arch, tie, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch, tie, scheme, head_bits", [
+    ("llama", True, "zp", 8), ("qwen2", False, "zp", 4), ("llama", True, "q4_1", 8),
+    ("llama", True, "q4_1", 4)])
+def test_int4_graphs_compute_exactly_the_dequantized_model(arch, tie, scheme, head_bits,
+                                                           tmp_path, monkeypatch):
     # accuracy level 0 keeps activations in fp32, so only the weight layout is under test
     monkeypatch.setattr(export.graph, "ACCURACY_LEVEL", 0)
     checkpoint = make_checkpoint(tmp_path / "ckpt", arch=arch, tie=tie)
-    export_model(str(checkpoint), tmp_path / "a", precision="int4", log=quiet)
+    export_model(str(checkpoint), tmp_path / "a", precision="int4", int4_scheme=scheme,
+                 head_bits=head_bits, log=quiet)
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     ids = [int(t) for t in np.random.default_rng(2).integers(5, 300, 20)]
     with torch.no_grad():
         for name, p in reference.named_parameters():
-            if p.dim() == 2:  # the vocabulary tables are 8-bit, every other matrix 4-bit
-                quantized = (dequantize_int8(quantize_int8(p.numpy()))
-                             if "embed" in name or "lm_head" in name
-                             else dequantize_int4(quantize_int4(p.numpy())))
-                p.copy_(torch.from_numpy(quantized))
+            if p.dim() != 2:
+                continue
+            w = p.numpy()
+            if "embed" in name or "lm_head" in name:  # the vocabulary table: head_bits
+                w = (dequantize_int8(quantize_int8(w)) if head_bits == 8
+                     else dequantize_int4(quantize_int4(w, "zp")))
+            else:
+                w = dequantize_int4(quantize_int4(w, scheme))
+            p.copy_(torch.from_numpy(w))
         want = reference(torch.tensor([ids])).logits[0].numpy()
     engine = edgespec.load(tmp_path / "a").engine
     engine.lower(np.array(ids))
@@ -74,18 +83,31 @@ def test_int4_graphs_compute_exactly_the_dequantized_model(arch, tie, tmp_path, 
     assert np.abs(got - want).max() < 1e-4
 
 
-def test_quantization_error_is_within_half_a_step():
+def q4_1(w):
+    return quantize_int4(w, "q4_1")
+
+
+def test_min_max_schemes_err_by_at_most_half_a_step():
     w = np.random.default_rng(0).normal(size=(48, 4 * BLOCK)).astype(np.float32)
-    for quantize, dequantize in ((quantize_int4, dequantize_int4), (quantize_int8, dequantize_int8)):
+    for quantize, dequantize in ((q4_1, dequantize_int4), (quantize_int8, dequantize_int8)):
         q = quantize(w)
         step = np.repeat(q.scales, BLOCK, axis=1)
         assert np.all(np.abs(dequantize(q) - w) <= step / 2 + 1e-6)
 
 
+def test_zero_point_search_has_less_error_than_min_max(monkeypatch):
+    w = np.random.default_rng(0).normal(size=(256, 8 * BLOCK)).astype(np.float32)
+    searched = np.square(dequantize_int4(quantize_int4(w)) - w).mean()
+    monkeypatch.setattr(export.quantize, "SCALE_GRID", np.array([1.0], np.float32))
+    monkeypatch.setattr(export.quantize, "REFINE_STEPS", 0)
+    min_max = np.square(dequantize_int4(quantize_int4(w)) - w).mean()
+    assert searched < 0.95 * min_max
+
+
 def test_weights_already_on_the_grid_come_back_exactly():
     # a dequantized GGUF Q4_1 (or Q8_0) tensor is on the grid: quantizing it loses nothing
     w = np.random.default_rng(1).normal(size=(16, 8 * BLOCK)).astype(np.float32)
-    for quantize, dequantize in ((quantize_int4, dequantize_int4), (quantize_int8, dequantize_int8)):
+    for quantize, dequantize in ((q4_1, dequantize_int4), (quantize_int8, dequantize_int8)):
         on_grid = dequantize(quantize(w))
         np.testing.assert_allclose(dequantize(quantize(on_grid)), on_grid, rtol=0, atol=1e-6)
 
@@ -130,3 +152,40 @@ def test_exit_layer_out_of_range_is_refused(tiny_checkpoint, tmp_path):
     with pytest.raises(EdgespecError, match="exit layer 4 is out of range"):
         export_model(str(tiny_checkpoint), tmp_path / "x", exit_layer=4, log=quiet)
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("option, message", [
+    ({"int4_scheme": "q3_k"}, "unknown int4 scheme q3_k; choose one of zp, q4_1"),
+    ({"head_bits": 6}, "unsupported head bits 6; choose 4 or 8"),
+])
+def test_an_unknown_quantization_is_refused_before_the_model_is_read(option, message, tmp_path):
+    # the model does not exist either: the option is what gets reported, first
+    with pytest.raises(EdgespecError, match=message):
+        export_model("no/such/model.gguf", tmp_path / "x", log=quiet, **option)
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_layer_width_off_the_int4_blocks_is_refused(tmp_path):
+    checkpoint = make_checkpoint(tmp_path / "ckpt", layers=2, intermediate_size=80)
+    with pytest.raises(EdgespecError, match="the model's intermediate_size is 80"):
+        export_model(str(checkpoint), tmp_path / "x", exit_layer=1, log=quiet)
+    export_model(str(checkpoint), tmp_path / "x", exit_layer=1, precision="fp16", log=quiet)
+
+
+def test_an_interrupted_export_leaves_no_half_written_artifact(tiny_checkpoint, tmp_path):
+    def interrupt_late(message):  # Ctrl-C once the graphs are written
+        if message.startswith("measuring quality"):
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        export_model(str(tiny_checkpoint), tmp_path / "x", exit_layer=2, log=interrupt_late)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_measures_quality_against_the_full_precision_model(tiny_fp32, tiny_int4):
+    fp32, int4 = (json.loads((a / "manifest.json").read_text())["quality"]
+                  for a in (tiny_fp32, tiny_int4))
+    # the fp32 graphs compute the reference model (test_parity), so they agree everywhere
+    assert fp32["top1_agreement"] == 1.0
+    assert fp32["perplexity"] == pytest.approx(fp32["reference_perplexity"], rel=1e-3)
+    assert int4["reference_perplexity"] == fp32["reference_perplexity"]
+    assert int4["top1_agreement"] < 1.0 and int4["perplexity"] != fp32["perplexity"]
