@@ -1,6 +1,7 @@
 """What is on disk: an exported artifact directory, checked before anything runs."""
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,12 +13,17 @@ FORMAT_VERSION = 2  # 2: attention pad rows (engine.py), int4 zero points
 MANIFEST = "manifest.json"
 GRAPHS = ("lower", "upper", "head")
 DRAFT_GRAPH, DRAFT_VOCAB = "draft", "draft_vocab.npy"  # optional: exit adapter, shortlist
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+ARCH_NUMBERS = ("vocab_size", "hidden_size", "num_layers", "num_kv_heads", "head_dim")
+CHOICES = {"device": ("cpu", "cuda"), "activation_dtype": ("float32", "float16")}  # optional
+DRAFT_POLICY = {"k": int, "lookup_k": int, "threshold": (int, float), "adaptive": bool}
 
 
 @dataclass
 class Artifact:
     path: Path
     manifest: dict
+    _draft_vocab: np.ndarray = None
 
     @property
     def arch(self) -> dict:
@@ -44,10 +50,11 @@ class Artifact:
         return self.path / f"{name}.onnx"
 
     def draft_vocab(self):
-        """Token ids of the draft graph's shortlisted head (its logit i is token ids[i])."""
+        """Token ids of the draft graph's shortlisted head (its logit i is token ids[i]),
+        checked against the vocabulary when the artifact is opened."""
         if DRAFT_VOCAB not in self.manifest["files"]:
             return None
-        return np.load(self.path / DRAFT_VOCAB)
+        return self._draft_vocab
 
 
 def sha256_file(path: Path) -> str:
@@ -72,14 +79,145 @@ def open_artifact(path, verify: bool = True) -> Artifact:
     if version != FORMAT_VERSION:
         raise EdgespecError(f"{path} has artifact format version {version}, this edgespec "
                             f"reads version {FORMAT_VERSION}; export the model again")
+    _check_manifest(manifest, _Problem(path / MANIFEST))
     for name, info in manifest["files"].items():
-        file = path / name
-        if not file.is_file():
-            raise EdgespecError(f"{file} is missing; export the model again")
-        if file.stat().st_size != info["bytes"]:
-            raise EdgespecError(f"{file} has {file.stat().st_size} bytes, the manifest says "
-                                f"{info['bytes']} (truncated or edited); export the model again")
-        if verify and sha256_file(file) != info["sha256"]:
-            raise EdgespecError(f"{file} does not match its sha256 in the manifest (corrupt or "
-                                "edited); export the model again")
-    return Artifact(path, manifest)
+        _check_file(path / name, info, verify)
+    artifact = Artifact(path, manifest)
+    if DRAFT_VOCAB in manifest["files"]:
+        artifact._draft_vocab = _load_draft_vocab(path / DRAFT_VOCAB, manifest)
+    return artifact
+
+
+class _Problem:
+    """Makes the one-line error for a manifest field that is missing or wrong."""
+
+    def __init__(self, manifest_path):
+        self.where = manifest_path
+
+    def __call__(self, what) -> EdgespecError:
+        return EdgespecError(f"{self.where} {what}; export the model again")
+
+    def field(self, fields, key, prefix=""):
+        if not isinstance(fields, dict) or key not in fields:
+            raise self(f"has no {prefix}{key}")
+        return fields[key]
+
+    def require(self, ok, name, value, expected):
+        if not ok:
+            raise self(f"says {name} is {_shown(value)}; it must be {expected}")
+
+
+def _shown(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_int(value, low, high=None) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value and \
+        (high is None or value < high)
+
+
+def _check_manifest(manifest, problem):
+    """Every field the runtime reads is there and of the right kind, checked once on open so
+    that the engine, the tokenizer and the model can index the manifest without guarding."""
+    arch = problem.field(manifest, "architecture")
+    for key in ARCH_NUMBERS:
+        value = problem.field(arch, key, "architecture.")
+        problem.require(_is_int(value, 1), f"architecture.{key}", value, "an integer >= 1")
+    layers, vocab = arch["num_layers"], arch["vocab_size"]
+    exit_layer = problem.field(manifest, "exit_layer")
+    problem.require(_is_int(exit_layer, 1, layers), "exit_layer", exit_layer,
+                    f"an integer in 1..{layers - 1}")
+    context = problem.field(manifest, "max_context")
+    problem.require(_is_int(context, 2), "max_context", context, "an integer >= 2")
+    eos = problem.field(manifest, "eos_token_ids")
+    problem.require(isinstance(eos, list) and all(_is_int(t, 0, vocab) for t in eos),
+                    "eos_token_ids", eos, f"a list of token ids in 0..{vocab - 1}")
+    for key, choices in CHOICES.items():
+        if key in manifest:
+            problem.require(manifest[key] in choices, key, manifest[key], " or ".join(choices))
+    _check_draft_policy(manifest.get("draft", {}), problem)
+    graph = manifest.get("draft_graph", {})
+    problem.require(isinstance(graph, dict) and _is_int(graph.get("vocab", 1), 1),
+                    "draft_graph", graph, '{"vocab": an integer >= 1}')
+    _check_file_list(manifest, problem)
+
+
+def _check_draft_policy(draft, problem):
+    problem.require(isinstance(draft, dict), "draft", draft, "an object")
+    for key, kind in DRAFT_POLICY.items():
+        if key in draft:  # ranges are DraftPolicy's to check
+            value = draft[key]
+            problem.require(isinstance(value, kind) and (kind is bool or not isinstance(
+                value, bool)), f"draft.{key}", value, f"of type {_kind_name(kind)}")
+
+
+def _kind_name(kind) -> str:
+    return {int: "integer", bool: "boolean"}.get(kind, "number")
+
+
+def _check_file_list(manifest, problem):
+    """Plain names inside the artifact, each with a size and a sha256, and among them every
+    file the runtime reads."""
+    files = problem.field(manifest, "files")
+    problem.require(isinstance(files, dict), "files", files, "an object")
+    for name, info in files.items():
+        if not _plain_name(name):
+            raise problem(f"lists the file name {name!r}: a file name must be a plain name "
+                          "inside the artifact (no separators, no .., not absolute)")
+        problem.require(isinstance(info, dict) and _is_int(info.get("bytes"), 0) and
+                        re.fullmatch("[0-9a-f]{64}", str(info.get("sha256"))) is not None,
+                        f"files[{name!r}]", info, '{"bytes": an integer, "sha256": 64 hex digits}')
+    template = problem.field(manifest, "chat_template")
+    problem.require(isinstance(template, str), "chat_template", template, "a file name")
+    graphs = GRAPHS + ((DRAFT_GRAPH,) if f"{DRAFT_GRAPH}.onnx" in files else ())
+    required = [f"{g}.{ext}" for g in graphs for ext in ("onnx", "data")] + \
+        list(TOKENIZER_FILES) + ([DRAFT_VOCAB] if DRAFT_GRAPH in graphs else [])
+    for name in required:
+        if name not in files:
+            raise problem(f"does not list {name}")
+    if template not in files:
+        raise problem(f"does not list {template} (its chat_template)")
+
+
+def _plain_name(name: str) -> bool:
+    return name not in ("", ".", "..") and "/" not in name and "\\" not in name and \
+        not Path(name).is_absolute()
+
+
+def _check_file(file: Path, info: dict, verify: bool):
+    if not file.is_file():
+        raise EdgespecError(f"{file} is missing; export the model again")
+    if file.stat().st_size != info["bytes"]:
+        raise EdgespecError(f"{file} has {file.stat().st_size} bytes, the manifest says "
+                            f"{info['bytes']} (truncated or edited); export the model again")
+    if verify and sha256_file(file) != info["sha256"]:
+        raise EdgespecError(f"{file} does not match its sha256 in the manifest (corrupt or "
+                            "edited); export the model again")
+
+
+def _load_draft_vocab(file: Path, manifest: dict) -> np.ndarray:
+    """The shortlist's token ids, checked: one row of ids in the vocabulary, as many as
+    the draft graph scores."""
+    try:
+        ids = np.load(file)
+    except (ValueError, OSError, EOFError) as e:
+        raise EdgespecError(f"{file} is not a readable numpy array ({e}); "
+                            "export the model again") from e
+    vocab = manifest["architecture"]["vocab_size"]
+    problem = None
+    if not np.issubdtype(ids.dtype, np.integer):
+        problem = f"holds {ids.dtype} values, not integer token ids"
+    elif ids.ndim != 1:
+        problem = f"has shape {ids.shape}, not one row of token ids"
+    elif len(ids) == 0:
+        problem = "is empty"
+    elif ids.min() < 0 or ids.max() >= vocab:
+        problem = f"holds token id {ids.min() if ids.min() < 0 else ids.max()}; the " \
+                  f"vocabulary has ids in 0..{vocab - 1}"
+    elif len(ids) != manifest.get("draft_graph", {}).get("vocab", len(ids)):
+        problem = f"holds {len(ids)} ids, the manifest's draft_graph.vocab says " \
+                  f"{manifest['draft_graph']['vocab']}"
+    if problem:
+        raise EdgespecError(f"{file} {problem}; export the model again")
+    return ids

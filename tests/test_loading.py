@@ -1,9 +1,12 @@
 """`edgespec.load` refuses a missing, truncated, edited or foreign artifact, naming the file."""
+import hashlib
+import io
 import json
 import shutil
 
+import numpy as np
 import pytest
-from helpers import one_error_line, run_cli
+from helpers import one_error_line, rewrite_artifact_file, run_cli
 
 import edgespec
 from edgespec.errors import EdgespecError
@@ -66,3 +69,125 @@ def test_debug_shows_the_traceback(artifact_copy):
     (artifact_copy / "head.onnx").unlink()
     result = run_cli("generate", artifact_copy, "-p", "hi", "--debug")
     assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def edit_manifest(artifact, edit):
+    path = artifact / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+# -- every file the runtime reads is listed, and inside the artifact -------------------------
+
+@pytest.mark.parametrize("name", ["lower.onnx", "upper.data", "head.onnx", "tokenizer.json",
+                                  "tokenizer_config.json", "chat_template.jinja"])
+def test_a_required_file_the_manifest_does_not_list_is_named(artifact_copy, name):
+    edit_manifest(artifact_copy, lambda m: m["files"].pop(name))
+    with pytest.raises(EdgespecError, match=f"manifest.json does not list {name}"):
+        edgespec.load(artifact_copy)
+
+
+def test_a_draft_graph_needs_its_data_and_vocabulary(artifact_copy):
+    rewrite_artifact_file(artifact_copy, "draft.onnx", (artifact_copy / "head.onnx").read_bytes())
+    with pytest.raises(EdgespecError, match="does not list draft.data"):
+        edgespec.load(artifact_copy)
+
+
+@pytest.mark.parametrize("name", ["../outside.bin", "{outside}", "sub/x.bin", "..", ""],
+                         ids=["parent", "absolute", "subfolder", "dot-dot", "empty"])
+def test_a_file_name_that_is_not_a_plain_name_in_the_artifact_is_refused(artifact_copy, name):
+    # the file exists, with the size and hash the manifest gives: only its name is wrong
+    data = b"outside the artifact"
+    outside = artifact_copy.parent / "outside.bin"
+    outside.write_bytes(data)
+    name = name.format(outside=outside)
+    info = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    edit_manifest(artifact_copy, lambda m: m["files"].update({name: info}))
+    with pytest.raises(EdgespecError, match="file name .* plain name"):
+        edgespec.load(artifact_copy)
+
+
+# -- the manifest's fields: checked on open, one line naming the field -----------------------
+
+DELETE = object()
+FIELD_CASES = [
+    ("max_context", DELETE), ("architecture", DELETE), ("architecture.hidden_size", DELETE),
+    ("eos_token_ids", DELETE), ("exit_layer", DELETE), ("chat_template", DELETE),
+    ("files", DELETE), ("max_context", "512"), ("max_context", 0),
+    ("architecture.num_kv_heads", 2.5), ("architecture.vocab_size", True),
+    ("exit_layer", 4), ("eos_token_ids", 2), ("eos_token_ids", [10**6]),
+    ("activation_dtype", "bfloat16"), ("device", "tpu"), ("draft", []), ("draft.k", "4"),
+    ("draft.adaptive", "yes"), ("files.head.data", {"bytes": "256"}),
+    ("files.head.data", {"bytes": 256, "sha256": 5}), ("chat_template", "missing.jinja"),
+]
+
+
+def set_field(manifest, dotted, value):
+    *parents, last = dotted.split(".")
+    for key in parents:
+        manifest = manifest[key]
+    if value is DELETE:
+        del manifest[last]
+    else:
+        manifest[last] = value
+
+
+@pytest.mark.parametrize("field, value", FIELD_CASES, ids=[
+    f"no {f}" if v is DELETE else f"{f}={v!r}" for f, v in FIELD_CASES])
+def test_a_manifest_field_missing_or_of_the_wrong_kind_is_named(artifact_copy, field, value):
+    def edit(manifest):
+        if field.startswith("files."):  # file names hold dots
+            manifest["files"][field[len("files."):]] = value
+        else:
+            set_field(manifest, field, value)
+    edit_manifest(artifact_copy, edit)
+    shown = field[len("files."):] if field.startswith("files.") else field
+    with pytest.raises(EdgespecError, match=f"manifest.json.*{shown}"):
+        edgespec.load(artifact_copy, verify=False)
+
+
+def test_the_cli_names_a_missing_manifest_field_in_one_line(artifact_copy):
+    edit_manifest(artifact_copy, lambda m: m.pop("max_context"))
+    result = run_cli("generate", artifact_copy, "-p", "hi")
+    assert result.returncode == 2
+    assert "manifest.json has no max_context" in one_error_line(result.stderr)
+
+
+# -- files whose bytes only the sha256 would catch, read without it (--no-verify) ------------
+
+def corrupt_in_place(path):
+    """Same size, other bytes: only the sha256 check would see it."""
+    path.write_bytes(b"\xff" * path.stat().st_size)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json",
+                                  "chat_template.jinja"])
+def test_a_corrupt_text_file_is_named_without_verification(artifact_copy, name):
+    corrupt_in_place(artifact_copy / name)
+    with pytest.raises(EdgespecError, match=f"{name}.*export the model again"):
+        edgespec.load(artifact_copy, verify=False)
+
+
+def save_draft_vocab(artifact, ids):
+    buffer = io.BytesIO()
+    np.save(buffer, ids)
+    rewrite_artifact_file(artifact, "draft_vocab.npy", buffer.getvalue())
+
+
+@pytest.mark.parametrize("ids, problem", [
+    (np.array([0, 5, 364]), "ids in 0..363"), (np.array([-1, 5]), "ids in 0..363"),
+    (np.array([0.5, 2.0]), "integer"), (np.zeros((2, 2), np.int64), "one row"),
+    (np.array([], np.int64), "empty"),
+], ids=["an id past the vocabulary", "a negative id", "floats", "two rows", "empty"])
+def test_a_draft_vocabulary_the_head_cannot_use_is_refused(artifact_copy, ids, problem):
+    save_draft_vocab(artifact_copy, ids)
+    with pytest.raises(EdgespecError, match=f"draft_vocab.npy.*{problem}"):
+        edgespec.load(artifact_copy, verify=False)
+
+
+def test_a_corrupt_draft_vocabulary_is_named_without_verification(artifact_copy):
+    save_draft_vocab(artifact_copy, np.arange(10))
+    corrupt_in_place(artifact_copy / "draft_vocab.npy")
+    with pytest.raises(EdgespecError, match="draft_vocab.npy is not a readable"):
+        edgespec.load(artifact_copy, verify=False)
