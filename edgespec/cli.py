@@ -218,17 +218,31 @@ def _serve_args(sub, common):
     p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
     p.add_argument("--port", type=int, default=8000, help="default: 8000")
     p.add_argument("--queue", type=int, default=32, help="requests that may wait (default: 32)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="BYTES",
+                   help="largest request body; larger ones are refused with 413 (default: "
+                   "1048576, 1 MiB)")
+    p.add_argument("--client-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="close a connection whose client stays silent this long, idle or "
+                   "mid-request (default: 30)")
+    p.add_argument("--max-connections", type=int, default=64, metavar="N",
+                   help="open connections at most, one thread each; more are answered 503 "
+                   "(default: 64; keep it above --queue)")
+    p.add_argument("--allow-ignore-eos", action="store_true",
+                   help="honour requests' ignore_eos, which lets one reply run to the full "
+                   "context (for load tests; default: refused with 400)")
     _runtime_args(p)
     p.set_defaults(run=_serve)
 
 
 def _serve(args):
     try:
-        from apps.server.server import serve
+        from apps.server.server import Limits, serve
     except ImportError as e:
         raise EdgespecError(f"edgespec serve needs the apps package ({e})") from e
+    limits = Limits(args.max_body_bytes, args.client_timeout, args.max_connections)
     model = _load(args)
-    serve(model, args.host, args.port, args.queue,
+    serve(model, args.host, args.port, args.queue, limits=limits,
+          allow_ignore_eos=args.allow_ignore_eos,
           ready=lambda address: print(f"serving {model.artifact.path.name} on "
                                       f"http://{address[0]}:{address[1]}/v1", file=sys.stderr,
                                       flush=True))

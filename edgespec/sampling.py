@@ -29,6 +29,9 @@ class SamplingParams:
             ("min-p", self.min_p, 0 <= self.min_p < 1, "in [0, 1)"),
             ("repetition-penalty", self.repetition_penalty, self.repetition_penalty > 0,
              "a number > 0 (1 is off)"),
+            ("seed", self.seed, self.seed is None or (
+                isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                and 0 <= self.seed < 2**63), "an integer in [0, 2**63)"),
         ]
         for name, value, ok, expected in checks:
             if not ok or (isinstance(value, float) and not np.isfinite(value)):

@@ -25,6 +25,15 @@ def tiny_int4(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def long_artifact(tmp_path_factory):
+    """The tiny model with room for 4000-token replies (slow enough to cancel)."""
+    path = tmp_path_factory.mktemp("long")
+    checkpoint = make_checkpoint(path / "ckpt", max_positions=4096)
+    export_model(str(checkpoint), path / "art", max_context=4096, log=quiet)
+    return path / "art"
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf():
     from export.source import default_model_path
     return default_model_path()

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,8 +93,10 @@ def free_port() -> int:
 def start_server(artifact, *args):
     """`edgespec serve ARTIFACT ARGS` on a free port; (process, port) once it answers."""
     port = free_port()
+    log = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would block the server
     process = subprocess.Popen([sys.executable, "-m", "edgespec", "serve", str(artifact),
-                                "--port", str(port), *args], stderr=subprocess.PIPE, text=True)
+                                "--port", str(port), *args], stderr=log, text=True)
+    process.log = log
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and process.poll() is None:
         try:
@@ -102,12 +105,19 @@ def start_server(artifact, *args):
         except OSError:
             time.sleep(0.1)
     process.kill()
-    raise RuntimeError(process.stderr.read())
+    raise RuntimeError(server_log(process))
+
+
+def server_log(process) -> str:
+    """What the server has written to stderr so far."""
+    process.log.seek(0)
+    return process.log.read()
 
 
 def stop_server(process):
     process.terminate()
     process.wait(10)
+    process.log.close()
 
 
 def health(port) -> dict:

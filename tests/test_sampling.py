@@ -12,7 +12,8 @@ LOGITS = np.log(np.array([0.4, 0.3, 0.15, 0.1, 0.05], dtype=np.float32))
     ("temperature", -0.5, "temperature"), ("top_p", 0.0, "top-p"), ("top_p", 1.5, "top-p"),
     ("top_k", -1, "top-k"), ("min_p", 1.0, "min-p"), ("repetition_penalty", 0.0,
                                                       "repetition-penalty"),
-    ("temperature", float("nan"), "temperature"),
+    ("temperature", float("nan"), "temperature"), ("seed", -1, "seed"), ("seed", 2**63, "seed"),
+    ("seed", 1.5, "seed"),
 ])
 def test_invalid_parameters_are_refused_by_name(field, value, name):
     with pytest.raises(EdgespecError, match=f"invalid {name}"):

@@ -2,63 +2,38 @@
 import http.client
 import json
 import socket
-import subprocess
-import sys
-import time
 
 import openai
 import pytest
-from helpers import make_checkpoint, quiet
+from helpers import open_stream, start_server, stop_server, wait_busy, wait_idle
 
-from export.pipeline import export_model
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def long_artifact(tmp_path_factory):
-    """The tiny model with room for 4000-token replies (slow enough to cancel)."""
-    path = tmp_path_factory.mktemp("long")
-    checkpoint = make_checkpoint(path / "ckpt", max_positions=4096)
-    export_model(str(checkpoint), path / "art", max_context=4096, log=quiet)
-    return path / "art"
-
-
-def start_server(artifact, *args):
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "edgespec", "serve", str(artifact),
-                                "--port", str(port), *args], stderr=subprocess.PIPE, text=True)
-    for _ in range(200):
-        try:
-            http.client.HTTPConnection("127.0.0.1", port, timeout=1).request("GET", "/health")
-            return process, port
-        except OSError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(process.stderr.read())
+from edgespec.tokenizer import TextCodec
 
 
 @pytest.fixture(scope="module")
 def server(long_artifact):
-    process, port = start_server(long_artifact, "--queue", "1")
+    process, port = start_server(long_artifact, "--queue", "1", "--allow-ignore-eos")
     yield port
-    process.terminate()
-    process.wait(10)
+    stop_server(process)
+
+
+def openai_client(port):
+    # a short timeout and no retries: a request the server never answers fails the test
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                         timeout=30, max_retries=0)
 
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key="unused")
+    return openai_client(server)
 
 
-def health(port):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    conn.request("GET", "/health")
-    return json.loads(conn.getresponse().read())
+@pytest.fixture(scope="module")
+def default_server(tiny_int4):
+    """A server started without options."""
+    process, port = start_server(tiny_int4)
+    yield port
+    stop_server(process)
 
 
 def test_models_lists_the_artifact(client):
@@ -96,11 +71,11 @@ def test_completions_streaming_and_not(client):
 
 
 def test_a_stop_string_ends_the_reply(client):
-    args = dict(model="art", max_tokens=40, temperature=0,
+    # ignore_eos: all 40 tokens come, whenever the random model would end its turn
+    args = dict(model="art", max_tokens=40, temperature=0, extra_body={"ignore_eos": True},
                 messages=[{"role": "user", "content": "count with me"}])
     full = client.chat.completions.create(**args).choices[0].message.content
-    if len(full) < 6:
-        pytest.skip("the reply is too short to cut")
+    assert len(full) >= 6, f"the reply {full!r} is too short to cut"
     stop = full[3:6]
     cut = client.chat.completions.create(stop=[stop], **args).choices[0]
     assert cut.message.content == full[:full.index(stop)] and cut.finish_reason == "stop"
@@ -109,11 +84,33 @@ def test_a_stop_string_ends_the_reply(client):
 @pytest.mark.parametrize("args, param", [
     (dict(temperature=-1), "temperature"), (dict(top_p=1.5), "top_p"), (dict(n=2), "n"),
     (dict(max_tokens=0), "max_tokens"), (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(max_completion_tokens=0), "max_completion_tokens"), (dict(seed=-1), "seed"),
+    (dict(seed=2**63), "seed"),
 ])
 def test_bad_parameters_are_400_errors(client, args, param):
     with pytest.raises(openai.BadRequestError, match=param.replace("_", "[-_]")):
         client.chat.completions.create(model="art", messages=[{"role": "user", "content": "x"}],
                                        **args)
+
+
+def test_max_tokens_beyond_the_context_is_cut_to_the_room_the_prompt_leaves(client,
+                                                                           long_artifact):
+    codec, words = TextCodec(long_artifact), "the quick brown fox jumps over the lazy dog "
+    per_repeat = len(codec.encode(words * 2)) - len(codec.encode(words))
+    prompt = words * (4000 // per_repeat)
+    room = 4096 - len(codec.encode(prompt))
+    assert 0 < room < 200
+    reply = client.completions.create(model="art", prompt=prompt, max_tokens=10**9,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == room and reply.usage.total_tokens == 4096
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_ignore_eos_is_refused_unless_the_server_allows_it(default_server):
+    with pytest.raises(openai.BadRequestError, match="ignore_eos.*--allow-ignore-eos"):
+        openai_client(default_server).chat.completions.create(
+            model="art", max_tokens=4, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": "x"}])
 
 
 def test_malformed_bodies_are_400_errors(server):
@@ -123,26 +120,6 @@ def test_malformed_bodies_are_400_errors(server):
                      {"Content-Type": "application/json"})
         response = conn.getresponse()
         assert response.status == 400 and "error" in json.loads(response.read())
-
-
-def open_stream(port, max_tokens=4000):
-    """Start a streaming chat request on a raw socket; returns it after the first bytes."""
-    sock = socket.create_connection(("127.0.0.1", port))
-    body = json.dumps({"model": "art", "stream": True, "max_tokens": max_tokens,
-                       "ignore_eos": True, "messages": [{"role": "user", "content": "go"}]})
-    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                 f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
-    return sock, sock.recv(4096)
-
-
-def wait_idle(port, timeout=30):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        state = health(port)
-        if not state["busy"] and state["queued"] == 0:
-            return state
-        time.sleep(0.05)
-    raise AssertionError(f"the server stayed busy: {state}")
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -157,8 +134,7 @@ def test_a_client_that_disconnects_cancels_its_generation(server, stream):
                            "messages": [{"role": "user", "content": "go"}]})
         sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
                      f"{len(body)}\r\n\r\n{body}".encode())
-        while not health(server)["busy"]:
-            time.sleep(0.01)
+        wait_busy(server)
     sock.close()
     after = wait_idle(server)
     assert after["cancelled"] == before["cancelled"] + 1
@@ -169,8 +145,7 @@ def test_a_full_queue_answers_503_with_retry_after(server):
     wait_idle(server)
     # one request runs, one waits in the queue of one, the rest arrive within milliseconds
     streams = [open_stream(server)]
-    while not health(server)["busy"]:  # the worker has taken the first request
-        time.sleep(0.01)
+    wait_busy(server)  # the worker has taken the first request
     streams += [open_stream(server) for _ in range(5)]
     statuses = [first.split(b"\r\n", 1)[0] for _, first in streams]
     assert statuses[:2] == [b"HTTP/1.1 200 OK"] * 2

@@ -1,4 +1,6 @@
 """The OpenAI API's shapes: requests to generation options, results to response bodies."""
+import json
+import math
 import time
 import uuid
 
@@ -18,28 +20,72 @@ def error_body(message, kind="invalid_request_error", param=None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
+def parse_body(raw: bytes) -> dict:
+    """A request body: one JSON object."""
+    try:
+        body = json.loads(raw)
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise BadRequest(f"the body is not JSON: {e}") from e
+    except RecursionError:
+        raise BadRequest("the body is nested too deeply to be a request") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _number(body, name, default, integer=False):
+    """A numeric field (absent or null: the default). Integers may be as long as JSON
+    makes them; other numbers must be finite floats."""
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            (integer and not float(value).is_integer()):
-        raise BadRequest(f"{name} must be {'an integer' if integer else 'a number'}, "
-                         f"not {value!r}", name)
-    return int(value) if integer else float(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if integer and (isinstance(value, int) or value.is_integer()):
+            return int(value)
+        if not integer and _finite(value):
+            return float(value)
+    raise BadRequest(f"{name} must be {'an integer' if integer else 'a finite number'}, "
+                     f"not {_shown(value)}", name)
 
 
-def generation_options(body: dict) -> dict:
-    """Sampling and length options from an OpenAI request (validated)."""
+def _finite(value) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too long for a float
+        return False
+
+
+def _flag(body, name, param=None) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false, not {_shown(value)}", param or name)
+    return bool(value)
+
+
+def _max_new_tokens(body) -> int:
+    # max_completion_tokens (the newer name) wins when given, even when it is invalid
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    value = _number(body, name, 256, integer=True)
+    if value < 1:
+        raise BadRequest(f"{name} must be >= 1, not {value}", name)
+    return value
+
+
+def generation_options(body: dict, allow_ignore_eos: bool = False) -> dict:
+    """Sampling and length options from an OpenAI request (validated). ignore_eos is
+    refused unless the server allows it: it lets one request hold the worker for a whole
+    context."""
     if _number(body, "n", 1, integer=True) != 1:
         raise BadRequest("only n = 1 is supported", "n")
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0):
             raise BadRequest(f"{name} is not supported; use repetition_penalty", name)
-    max_tokens = _number(body, "max_completion_tokens", None, integer=True) or \
-        _number(body, "max_tokens", 256, integer=True)
-    if max_tokens < 1:
-        raise BadRequest(f"max_tokens must be >= 1, not {max_tokens}", "max_tokens")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)):
@@ -56,11 +102,48 @@ def generation_options(body: dict) -> dict:
         SamplingParams(**sampling)
     except EdgespecError as e:
         raise BadRequest(str(e)) from e
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise BadRequest("ignore_eos must be true or false", "ignore_eos")
-    return {"max_new_tokens": max_tokens, "stop": stop, "sampling": sampling,
+    ignore_eos = _flag(body, "ignore_eos")
+    if ignore_eos and not allow_ignore_eos:
+        raise BadRequest("ignore_eos is off on this server (a reply could hold it for a whole "
+                         "context); start it with --allow-ignore-eos", "ignore_eos")
+    return {"max_new_tokens": _max_new_tokens(body), "stop": stop, "sampling": sampling,
             "ignore_eos": ignore_eos}
+
+
+def stream_settings(body: dict) -> tuple:
+    """(stream, include_usage) of a request."""
+    options = body.get("stream_options")
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise BadRequest(f"stream_options must be an object, not {_shown(options)}",
+                         "stream_options")
+    return _flag(body, "stream"), _flag(options, "include_usage", "stream_options")
+
+
+def _unicode(text: str, param: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON escapes can spell a lone surrogate
+        raise BadRequest(f"{param} is not valid Unicode text (a lone surrogate at character "
+                         f"{e.start})", param) from None
+    return text
+
+
+def _content(content) -> str:
+    """A message's text: a string, or a list of text parts."""
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise BadRequest("content parts must be {\"type\": \"text\", \"text\": a string} "
+                                 f"(this server reads text only), not {_shown(part)}",
+                                 "messages")
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise BadRequest("message content must be a string or a list of text parts",
+                         "messages")
+    return _unicode(content, "messages")
 
 
 def chat_messages(body: dict) -> list:
@@ -72,13 +155,8 @@ def chat_messages(body: dict) -> list:
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant",
                                                              "developer"):
             raise BadRequest("each message needs a role: system, user or assistant", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-        if not isinstance(content, str):
-            raise BadRequest("message content must be a string", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": _content(m.get("content"))})
     return out
 
 
@@ -88,7 +166,7 @@ def completion_prompt(body: dict) -> str:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("prompt must be a non-empty string", "prompt")
-    return prompt
+    return _unicode(prompt, "prompt")
 
 
 class StopScanner:

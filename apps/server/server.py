@@ -4,22 +4,28 @@ Requests wait in a bounded queue (full: 503 with Retry-After) and one worker thr
 owns the model, serves them in turn. A client that disconnects cancels its generation: the
 handler notices when a write fails or the socket closes, and the worker stops at the next
 piece of text.
+
+No client can stall the others: every job ends with a final event, whatever fails in it;
+every request gets an answer (a 4xx that says why, or a JSON 500); a connection stays open
+only while its client keeps talking (`Limits.client_timeout_s`), and only so many are open
+at once (`Limits.max_connections`, beyond which a connection is answered 503 and closed;
+see connections.py).
 """
 import json
 import queue
-import select
-import socket
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from edgespec.errors import EdgespecError
 
 from . import openai_api as api
+from .connections import (RETRY_AFTER_S, Limits, Refused, Server, client_gone, linger,
+                          read_body)
 
-RETRY_AFTER_S = 2
 CHECK_S = 0.25  # how often a waiting handler checks that its client is still there
 
 
@@ -33,7 +39,7 @@ class Job:
 
 
 class Worker(threading.Thread):
-    """Owns the model; runs queued jobs one at a time."""
+    """Owns the model; runs queued jobs one at a time. Every job gets a final event."""
 
     def __init__(self, model, queue_size):
         super().__init__(daemon=True, name="edgespec-worker")
@@ -50,37 +56,45 @@ class Worker(threading.Thread):
             self.busy = True
             try:
                 self._serve(job)
+            except Exception as e:  # a bad job or a runtime failure fails that job only
+                self._fail(job, e)
             finally:
                 self.busy = False
 
+    def _fail(self, job, error):
+        self.counts["failed"] += 1
+        message = str(error)
+        if not isinstance(error, EdgespecError):  # unforeseen: the operator needs the traceback
+            traceback.print_exc()
+            message = f"{type(error).__name__}: {error}"
+        self.model.engine.reset()  # the cache may be half written: the next chat prefills anew
+        job.events.put({"error": message})
+
     def _serve(self, job):
-        if job.cancelled.is_set():
+        if job.cancelled.is_set():  # its client left while it waited: still tell its handler
             self.counts["cancelled"] += 1
+            job.events.put({"finish": "cancelled", "generated": 0})
             return
         o = job.options
-        try:
-            pieces = self.model.stream_ids(job.prompt_ids, o["max_new_tokens"],
-                                           reuse_cache=job.chat, ignore_eos=o["ignore_eos"],
-                                           **o["sampling"])
-            generated = 0
-            while True:
-                if job.cancelled.is_set():
-                    pieces.close()
-                    self.counts["cancelled"] += 1
-                    job.events.put({"finish": "cancelled", "generated": generated})
-                    return
-                try:
-                    piece = next(pieces)
-                except StopIteration as done:
-                    result = done.value
-                    break
-                generated = piece.generated
-                job.events.put(piece.text)
-            self.counts["completed"] += 1
-            job.events.put({"finish": result.finish_reason, "generated": result.n_generated})
-        except EdgespecError as e:
-            self.counts["failed"] += 1
-            job.events.put({"error": str(e)})
+        pieces = self.model.stream_ids(job.prompt_ids, o["max_new_tokens"],
+                                       reuse_cache=job.chat, ignore_eos=o["ignore_eos"],
+                                       **o["sampling"])
+        generated = 0
+        while True:
+            if job.cancelled.is_set():
+                pieces.close()
+                self.counts["cancelled"] += 1
+                job.events.put({"finish": "cancelled", "generated": generated})
+                return
+            try:
+                piece = next(pieces)
+            except StopIteration as done:
+                result = done.value
+                break
+            generated = piece.generated
+            job.events.put(piece.text)
+        self.counts["completed"] += 1
+        job.events.put({"finish": result.finish_reason, "generated": result.n_generated})
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -88,6 +102,10 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "edgespec"
     worker: Worker = None
     model_name = "edgespec"
+    limits = Limits()
+    allow_ignore_eos = False
+    timeout = limits.client_timeout_s  # socketserver sets it on the connection
+    streaming = False  # the response has begun: an error can no longer be a JSON answer
 
     def log_message(self, fmt, *args):  # one quiet line per request, to stderr
         sys.stderr.write(f"{self.address_string()} {fmt % args}\n")
@@ -105,26 +123,41 @@ class Handler(BaseHTTPRequestHandler):
             self._json(404, api.error_body(f"no route GET {self.path}", "not_found"))
 
     def do_POST(self):
+        self.streaming = False
+        try:
+            self._route_post()
+        except Refused as e:
+            self._refuse(e)
+        except api.BadRequest as e:
+            self._json(400, api.error_body(str(e), param=e.param))
+        except (ConnectionError, TimeoutError):  # the client left or stalled mid-answer
+            self.close_connection = True
+        except Exception as e:  # a bug: answer it, log it, keep serving
+            self.log_error("%s", traceback.format_exc())
+            if self.streaming:
+                self.close_connection = True
+            else:
+                self._json(500, api.error_body(f"internal error: {type(e).__name__}: {e}",
+                                               "server_error"))
+
+    def _route_post(self):
         routes = {"/v1/chat/completions": self._chat, "/v1/completions": self._completion}
+        # read even for a 404, so that the next request on the connection starts in step
+        raw = read_body(self.headers, self.rfile, self.limits)
         handler = routes.get(self.path.rstrip("/"))
         if handler is None:
             self._json(404, api.error_body(f"no route POST {self.path}", "not_found"))
             return
-        try:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"")
-            if not isinstance(body, dict):
-                raise api.BadRequest("the body must be a JSON object")
-            handler(body)
-        except json.JSONDecodeError as e:
-            self._json(400, api.error_body(f"the body is not JSON: {e}"))
-        except api.BadRequest as e:
-            self._json(400, api.error_body(str(e), param=e.param))
+        handler(api.parse_body(raw))
 
     # -- the two generation endpoints -----------------------------------------------------
 
     def _chat(self, body):
-        model = self.worker.model
-        ids = model.codec.encode_chat(api.chat_messages(body))
+        messages = api.chat_messages(body)
+        try:
+            ids = self.worker.model.codec.encode_chat(messages)
+        except EdgespecError as e:  # the chat template refused the conversation
+            raise api.BadRequest(str(e), "messages") from e
         self._generate(body, ids, chat=True)
 
     def _completion(self, body):
@@ -132,11 +165,14 @@ class Handler(BaseHTTPRequestHandler):
                        chat=False)
 
     def _generate(self, body, ids, chat):
-        options = api.generation_options(body)
+        options = api.generation_options(body, self.allow_ignore_eos)
+        stream, include_usage = api.stream_settings(body)
         limit = self.worker.model.engine.max_context
         if len(ids) >= limit:
             raise api.BadRequest(f"the prompt has {len(ids)} tokens; the context is {limit}",
                                  "messages" if chat else "prompt")
+        # prompt and reply together fit the context, as OpenAI counts it
+        options["max_new_tokens"] = min(options["max_new_tokens"], limit - len(ids))
         job = Job(ids, options, chat)
         try:
             self.worker.submit(job)
@@ -146,11 +182,13 @@ class Handler(BaseHTTPRequestHandler):
             return
         rid = api.new_id("chatcmpl" if chat else "cmpl")
         scanner = api.StopScanner(options["stop"])
-        if body.get("stream"):
-            self._stream(job, rid, chat, scanner, bool((body.get("stream_options") or {})
-                                                       .get("include_usage")))
-        else:
-            self._complete(job, rid, chat, scanner)
+        try:
+            if stream:
+                self._stream(job, rid, chat, scanner, include_usage)
+            else:
+                self._complete(job, rid, chat, scanner)
+        finally:
+            job.cancelled.set()  # a handler that stops early (client gone, error) stops its job
 
     def _events(self, job, scanner):
         """Text safe to send and the final event; cancels the job on a stop string or when
@@ -163,7 +201,7 @@ class Handler(BaseHTTPRequestHandler):
                 event = None
             if time.monotonic() - checked >= CHECK_S:
                 checked = time.monotonic()
-                if _client_gone(self.connection):
+                if client_gone(self.connection):
                     job.cancelled.set()
             if event is None:
                 continue
@@ -190,33 +228,30 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, respond(rid, self.model_name, "".join(parts), finish, use))
 
     def _stream(self, job, rid, chat, scanner, include_usage):
+        self.streaming = True
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         chunk = api.chat_chunk if chat else api.completion_chunk
-        try:
-            if chat:
-                self._sse(chunk(rid, self.model_name, {"role": "assistant", "content": ""}))
-            for text, final in self._events(job, scanner):
-                if text:
-                    self._sse(chunk(rid, self.model_name, {"content": text} if chat else text))
-                if final is None:
-                    continue
-                if "error" in final:
-                    self._sse(api.error_body(final["error"], "server_error"))
-                    continue
-                finish = api.finish_reason(final["finish"], scanner.stopped)
-                self._sse(chunk(rid, self.model_name, {} if chat else "", finish))
-                if include_usage:
-                    self._sse(chunk(rid, self.model_name, use=api.usage(len(job.prompt_ids),
-                                                                         final["generated"])))
-            self._write_chunk(b"data: [DONE]\n\n")
-            self._write_chunk(b"")
-        except (BrokenPipeError, ConnectionResetError):
-            job.cancelled.set()  # the client left: stop generating for it
-            self.close_connection = True
+        if chat:
+            self._sse(chunk(rid, self.model_name, {"role": "assistant", "content": ""}))
+        for text, final in self._events(job, scanner):
+            if text:
+                self._sse(chunk(rid, self.model_name, {"content": text} if chat else text))
+            if final is None:
+                continue
+            if "error" in final:
+                self._sse(api.error_body(final["error"], "server_error"))
+                continue
+            finish = api.finish_reason(final["finish"], scanner.stopped)
+            self._sse(chunk(rid, self.model_name, {} if chat else "", finish))
+            if include_usage:
+                self._sse(chunk(rid, self.model_name, use=api.usage(len(job.prompt_ids),
+                                                                     final["generated"])))
+        self._write_chunk(b"data: [DONE]\n\n")
+        self._write_chunk(b"")
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -237,36 +272,34 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-
-def _client_gone(connection: socket.socket) -> bool:
-    """True when the peer closed its end (readable with nothing to read)."""
-    try:
-        readable, _, _ = select.select([connection], [], [], 0)
-        return bool(readable) and connection.recv(1, socket.MSG_PEEK) == b""
-    except OSError:
-        return True
+    def _refuse(self, refusal: Refused):
+        """Answer, then close the connection (lingering over a body still on its way)."""
+        self._json(refusal.status, api.error_body(str(refusal)), {"Connection": "close"})
+        if refusal.body_unread:
+            linger(self.connection)
 
 
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request, client_address):
-        """A client that hangs up is routine; anything else is printed."""
-        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
-            super().handle_error(request, client_address)
-
-
-def serve(model, host="127.0.0.1", port=8000, queue_size=32, ready=None):
-    """Serve until interrupted. `ready(address)` is called once the socket listens."""
+def make_server(model, host="127.0.0.1", port=8000, queue_size=32, limits=Limits(),
+                allow_ignore_eos=False) -> Server:
+    """The server and its worker, listening; call serve_forever() on it."""
     worker = Worker(model, queue_size)
-    worker.start()
-    handler = type("BoundHandler", (Handler,), {"worker": worker,
-                                                "model_name": model.artifact.path.name})
+    handler = type("BoundHandler", (Handler,), {
+        "worker": worker, "model_name": model.artifact.path.name, "limits": limits,
+        "timeout": limits.client_timeout_s, "allow_ignore_eos": allow_ignore_eos})
     try:
-        httpd = Server((host, port), handler)
+        httpd = Server((host, port), handler, limits.max_connections)
     except OSError as e:
         raise EdgespecError(f"cannot listen on {host}:{port} ({e.strerror}); "
                             "choose another --port") from e
+    worker.start()
+    return httpd
+
+
+def serve(model, host="127.0.0.1", port=8000, queue_size=32, ready=None, limits=Limits(),
+          allow_ignore_eos=False):
+    """Serve until interrupted. `ready(address)` is called once the socket listens.
+    allow_ignore_eos: honour requests' ignore_eos (a reply may then fill the context)."""
+    httpd = make_server(model, host, port, queue_size, limits, allow_ignore_eos)
     (ready or (lambda address: None))(httpd.server_address)
     try:
         httpd.serve_forever()
