@@ -153,13 +153,42 @@ def test_lookup_drafts_accepted_as_point_masses_keep_the_verifiers_distribution(
     assert_same_distribution(counts, expected, n)
 
 
+class RecordingDecoder(SpeculativeDecoder):
+    """Keeps each round's drafts, so that its statistics can be checked against counts made
+    from what the rounds did rather than by its own bookkeeping."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.drafts = []
+
+    def draft(self, *args):
+        drafter, drafts, dists = super().draft(*args)
+        self.drafts.append(list(drafts))
+        return drafter, drafts, dists
+
+
+def common_prefix(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def test_statistics_count_rounds_drafts_and_acceptance(tiny_model):
-    result = tiny_model.generate_ids(prompt(3), max_new_tokens=30, draft_k=3)
-    s = result.stats
-    assert s["rounds"] >= 1 and 0 <= s["accepted"] <= s["drafted"] <= 3 * s["rounds"]
-    # every round commits its accepted drafts plus one verifier token; the first from prefill
-    assert s["accepted"] + s["rounds"] + 1 >= result.n_generated
-    assert s["tokens_per_round"] == pytest.approx((s["accepted"] + s["rounds"]) / s["rounds"])
+    engine, ids, stats = tiny_model.engine, prompt(3), SpecStats()
+    engine.reset()
+    decoder = RecordingDecoder(engine, SamplingParams(), DraftPolicy(k=3), stats)
+    committed = list(decoder.rounds(engine.prefill(ids).copy(), list(ids), 30))
+    first, rounds, drafts = committed[0], committed[1:], decoder.drafts
+    assert len(first) == 1 and sum(map(len, committed)) == 30
+    assert len(rounds) == len(drafts) > 1
+    # greedy: a round commits the drafts the verifier agreed with, then its own token
+    accepted = [common_prefix(c, d) for c, d in zip(rounds, drafts)]
+    assert [len(c) for c in rounds] == [a + 1 for a in accepted]
+    drafted = sum(map(len, drafts))
+    assert (stats.rounds, stats.drafted, stats.accepted) == (len(rounds), drafted, sum(accepted))
+    assert (stats.exit_drafted, stats.exit_accepted, stats.lookup_drafted) == \
+        (drafted, sum(accepted), 0)
+    assert stats.plain_steps == sum(not d for d in drafts)
+    assert stats.acceptance == pytest.approx(sum(accepted) / drafted)
+    assert stats.tokens_per_round == pytest.approx((30 - len(first)) / len(rounds))
 
 
 @pytest.mark.parametrize("options, message", [
