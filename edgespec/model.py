@@ -207,6 +207,11 @@ class Model:
         limit = self.engine.max_context
         if not prompt_ids:
             raise EdgespecError("the prompt is empty")
+        vocab = self.engine.vocab_size  # the embedding lookup does not check its ids
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise EdgespecError(f"the prompt holds token id {bad}; this model's ids are "
+                                f"0..{vocab - 1}")
         if len(prompt_ids) >= limit:
             raise EdgespecError(f"the prompt has {len(prompt_ids)} tokens but the artifact's "
                                 f"context is {limit}; shorten the prompt or export with a "

@@ -8,6 +8,7 @@ import pytest
 from helpers import one_error_line, quiet, run_cli
 
 import edgespec
+from edgespec.errors import EdgespecError
 from export.pipeline import export_model
 
 JSON_FIELDS = {"text", "tokens", "n_prompt", "n_generated", "prefill_s", "decode_s",
@@ -72,6 +73,19 @@ def test_a_prompt_longer_than_the_context_is_refused(tiny_checkpoint, tmp_path):
     result = run_cli("generate", tmp_path / "small", "-p", "fox " * 40)
     assert result.returncode == 2
     assert "context is 32; shorten the prompt" in one_error_line(result.stderr)
+
+
+@pytest.mark.parametrize("position", [0, -1])
+def test_a_token_id_outside_the_vocabulary_is_refused(tiny_int4, position):
+    model = edgespec.load(tiny_int4)
+    vocab = model.engine.vocab_size
+    for bad in (vocab, -1):
+        ids = [5, 6, 7]
+        ids[position] = bad
+        with pytest.raises(EdgespecError, match=f"token id {bad}; this model's ids are "
+                                                f"0..{vocab - 1}"):
+            model.generate_ids(ids, max_new_tokens=4)
+    assert model.generate_ids([5, 6, 7], max_new_tokens=4).n_generated >= 1  # still usable
 
 
 def test_a_full_context_stops_the_reply_without_a_crash(tiny_checkpoint, tmp_path):
