@@ -190,16 +190,19 @@ def _bench(args):
     policy = model.draft_policy(**draft)
     results = bench.run(model, rows, args.max_new_tokens, draft, args.repeat)
     summaries = bench.summarize(results)
+    costs = bench.round_costs(model)
     print(f"{args.artifact}: exit layer {model.artifact.exit_layer}, {_policy_line(policy)}, "
           f"{args.max_new_tokens} new tokens, greedy")
     print(bench.table(summaries))
+    print(bench.cost_line(costs))
     if args.json:
         settings = {"artifact": str(args.artifact), "exit_layer": model.artifact.exit_layer,
                     "draft_policy": dataclasses.asdict(policy),
                     "max_new_tokens": args.max_new_tokens, "threads": args.threads,
                     "repeat": args.repeat}
         Path(args.json).write_text(json.dumps({"settings": settings, "prompts": results,
-                                               "summary": summaries}, indent=1))
+                                               "summary": summaries, "round_ms": costs},
+                                              indent=1))
     if args.plot:
         bench.plot(summaries, args.plot, f"{Path(args.artifact).name}: exit "
                    f"{model.artifact.exit_layer}, {_policy_line(policy)}")

@@ -4,6 +4,7 @@ import json
 import pytest
 from helpers import one_error_line, run_cli
 
+import edgespec
 from edgespec.bench import load_prompts
 from edgespec.errors import EdgespecError
 
@@ -24,6 +25,19 @@ def test_bench_writes_table_json_and_plot(tiny_int4, tmp_path):
     assert all(p["identical"] for p in report["prompts"])  # greedy: lossless
     assert report["summary"]["overall"]["prompts"] == 2 and report["settings"]["draft_policy"]["k"] == 3
     assert png.read_bytes()[:4] == b"\x89PNG"
+    costs = report["round_ms"]  # JSON keys are strings
+    assert sorted(map(int, costs)) == [1, 2, 3, 4, 6, 8] and all(ms > 0 for ms in costs.values())
+    assert "round cost by rows (ms; x a plain step): 1: " in result.stdout
+
+
+def test_round_costs_leave_the_cache_empty_and_the_model_deterministic(tiny_int4):
+    from edgespec.bench import round_costs
+    model = edgespec.load(tiny_int4)
+    before = model.generate_ids([5, 6, 7, 8], max_new_tokens=12).tokens
+    costs = round_costs(model, repeat=2)
+    assert list(costs) == [1, 2, 3, 4, 6, 8]
+    assert model.engine.lower_len == model.engine.upper_len == 0
+    assert model.generate_ids([5, 6, 7, 8], max_new_tokens=12).tokens == before
 
 
 def test_per_category_takes_the_lowest_question_ids(tmp_path):
