@@ -186,8 +186,8 @@ def main():
         runs = {mode: [] for mode in modes}
         for _ in range(args.repeat):
             for mode in modes:
-                runs[mode].append(timed(*[engines[mode][0], ids, args.new_tokens,
-                                          engines[mode][1]]))
+                engine, speculative = engines[mode]
+                runs[mode].append(timed(engine, ids, args.new_tokens, speculative))
         row = {"id": prompt["question_id"], "category": prompt["category"]}
         for mode in modes:
             row[mode] = statistics.median(speed for _, speed, _ in runs[mode])

@@ -44,17 +44,19 @@ class Artifact:
     @property
     def graphs(self) -> tuple:
         """The graphs to load: the three always, the draft graph when export made one."""
-        return GRAPHS + ((DRAFT_GRAPH,) if f"{DRAFT_GRAPH}.onnx" in self.manifest["files"] else ())
+        return _graphs(self.manifest["files"])
 
     def graph(self, name: str) -> Path:
         return self.path / f"{name}.onnx"
 
     def draft_vocab(self):
         """Token ids of the draft graph's shortlisted head (its logit i is token ids[i]),
-        checked against the vocabulary when the artifact is opened."""
-        if DRAFT_VOCAB not in self.manifest["files"]:
-            return None
+        checked against the vocabulary when the artifact is opened; None without a draft graph."""
         return self._draft_vocab
+
+
+def _graphs(files) -> tuple:
+    return GRAPHS + ((DRAFT_GRAPH,) if f"{DRAFT_GRAPH}.onnx" in files else ())
 
 
 def sha256_file(path: Path) -> str:
@@ -170,7 +172,7 @@ def _check_file_list(manifest, problem):
                         f"files[{name!r}]", info, '{"bytes": an integer, "sha256": 64 hex digits}')
     template = problem.field(manifest, "chat_template")
     problem.require(isinstance(template, str), "chat_template", template, "a file name")
-    graphs = GRAPHS + ((DRAFT_GRAPH,) if f"{DRAFT_GRAPH}.onnx" in files else ())
+    graphs = _graphs(files)
     required = [f"{g}.{ext}" for g in graphs for ext in ("onnx", "data")] + \
         list(TOKENIZER_FILES) + ([DRAFT_VOCAB] if DRAFT_GRAPH in graphs else [])
     for name in required:

@@ -1,12 +1,12 @@
 """Sessions, buffers and binding: runs lower, upper and head with the KV cache in place.
 
-Every KV buffer [1, kv_heads, max_context, head_dim] is allocated once on the provider's
-device and bound as both past and present of its GroupQueryAttention, which writes the new
-positions in place. A cache's "length" is the number of valid positions; rolling back is
-lowering it. The exit hidden state of every position lives in one more buffer indexed the
-same way (LayerSkip's exit query cache): lower writes a position's row, upper and the draft
-head read it, so the draft's lower-layer work is the verifier's. The host sees only token
-ids, lengths and logits.
+Every KV buffer [1, kv_heads, max_context + PAD_ROWS, head_dim] is allocated once on the
+provider's device and bound as both past and present of its GroupQueryAttention, which
+writes the new positions in place. A cache's "length" is the number of valid positions;
+rolling back is lowering it. The exit hidden state of every position lives in one more
+buffer indexed the same way (LayerSkip's exit query cache): lower writes a position's row,
+upper and the draft head read it, so the draft's lower-layer work is the verifier's. The
+host sees only token ids, lengths and logits.
 
 Losslessness rule: a token's numerics must not depend on how it reached the cache (a plain
 step, an early-exit draft, a prompt-lookup round or a prefill chunk). ONNX Runtime's CPU

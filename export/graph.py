@@ -111,10 +111,9 @@ class Blocks:
     @staticmethod
     def nbits_inputs(g, name, q):
         """MatMulNBits' weight, scales and zero points ("" when the default) inputs."""
-        zero_points = getattr(q, "zero_points", None)
         return [g.weight(f"{name}.qweight", q.packed),
                 g.weight(f"{name}.scales", q.scales.astype(g.dtype)),
-                "" if zero_points is None else g.weight(f"{name}.zero_points", zero_points)]
+                "" if q.zero_points is None else g.weight(f"{name}.zero_points", q.zero_points)]
 
     def block_sums(self, g, x, k):
         """[.., K] -> [.., K/BLOCK]: the sum of each block of x (once per input, not per use)."""
@@ -143,7 +142,8 @@ class Blocks:
         # zero rows after the new ones: attention never runs a single query row, so a token
         # gets the same bits alone as among others (see edgespec/engine.py); their KV lands
         # past the valid length, where the next call overwrites it
-        pad = g.weight(f"pad_row_{qkv_w.shape[0]}", np.zeros([1, PAD_ROWS, qkv_w.shape[0]], g.dtype))
+        width = qkv_w.shape[0]
+        pad = g.weight(f"pad_row_{width}", np.zeros([1, PAD_ROWS, width], g.dtype))
         kv_shape = [1, a.num_kv_heads, "cache_len", a.head_dim]
         past_k = g.input(f"past_key.{layer}", g.dtype, kv_shape)
         past_v = g.input(f"past_value.{layer}", g.dtype, kv_shape)

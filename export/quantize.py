@@ -38,13 +38,11 @@ class Int4Weight:
 
     def codes(self) -> np.ndarray:
         """The 4-bit codes q, [N, K/BLOCK, BLOCK]."""
-        return np.stack([self.packed & 0x0F, self.packed >> 4], -1).reshape(
-            *self.packed.shape[:2], BLOCK)
+        return _unpack(self.packed)
 
     def zeros(self) -> np.ndarray:
         """The zero point of every block, [N, K/BLOCK]."""
-        n, blocks, _ = self.packed.shape
-        return np.stack([self.zero_points & 0x0F, self.zero_points >> 4], -1).reshape(n, -1)[:, :blocks]
+        return _unpack(self.zero_points)[:, :self.packed.shape[1]]
 
 
 def _blocks(w: np.ndarray) -> np.ndarray:
@@ -59,6 +57,11 @@ def _pack(q: np.ndarray) -> np.ndarray:
     if q.shape[-1] % 2:
         q = np.concatenate([q, np.zeros_like(q[..., :1])], -1)
     return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _unpack(packed: np.ndarray) -> np.ndarray:
+    """_pack undone: each byte back to its two 4-bit values, low nibble first."""
+    return np.stack([packed & 0x0F, packed >> 4], -1).reshape(*packed.shape[:-1], -1)
 
 
 def quantize_int4(w: np.ndarray, scheme: str = "zp") -> Int4Weight:
@@ -80,7 +83,7 @@ def quantize_int4(w: np.ndarray, scheme: str = "zp") -> Int4Weight:
         slope = ((q - q_mean) * (blocks - w_mean)).sum(-1) / np.maximum(
             np.square(q - q_mean).sum(-1), 1e-12)
         scale = np.where(slope > 0, slope, best[1])
-        best = _keep_better(best, blocks, scale, np.rint((q_mean[..., 0] - w_mean[..., 0] / scale)))
+        best = _keep_better(best, blocks, scale, np.rint(q_mean[..., 0] - w_mean[..., 0] / scale))
     _, scale, zero = best
     return Int4Weight(_pack(_codes(blocks, scale, zero).astype(np.uint8)), scale.astype(np.float32),
                       zero_points=_pack(zero.astype(np.uint8)))
@@ -124,6 +127,7 @@ class Int8Weight:
     """Symmetric 8-bit blocks: w = scale * (q - 128), the GGUF Q8_0 grid (exact for Q8_0)."""
     packed: np.ndarray  # uint8 [N, K/BLOCK, BLOCK]
     scales: np.ndarray  # float32 [N, K/BLOCK]
+    zero_points = None  # 128, MatMulNBits' default for 8 bits
 
 
 def quantize_int8(w: np.ndarray) -> Int8Weight:
