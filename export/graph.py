@@ -23,6 +23,10 @@ from .quantize import BLOCK, quantize_int4, quantize_int8
 MS = "com.microsoft"
 OPSET = 21
 ACCURACY_LEVEL = 4  # MatMulNBits with int8 activations: the fast CPU kernel (DESIGN.md)
+# head_bits "mixed": the vocabulary table's first ids keep 8 bits. BPE vocabularies number
+# their tokens in merge order, most used first: the first 8192 of SmolLM2's hold 93% of its
+# top-1 tokens on export's quality passage, and the table reads 64% of the 8-bit bytes.
+FREQUENT_TOKENS = 8192
 ONNX_DTYPE = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
               np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.int64): TensorProto.INT64,
               np.dtype(np.int32): TensorProto.INT32}
@@ -199,31 +203,56 @@ class Blocks:
         angles = np.outer(positions, inv_freq)
         return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
 
+    def vocab_parts(self, name, table):
+        """The int4 artifact's vocabulary table as [(name, quantized rows, bits)]: one part
+        at head_bits 8 or 4; "mixed": the first FREQUENT_TOKENS ids at 8 bits, the rest at 4."""
+        if self.head_bits != "mixed" or len(table) <= FREQUENT_TOKENS:
+            bits = 8 if self.head_bits == "mixed" else self.head_bits
+            return [(name, self.quantized(name, table, bits), bits)]
+        frequent, rare = table[:FREQUENT_TOKENS], table[FREQUENT_TOKENS:]
+        return [(f"{name}.frequent", self.quantized(f"{name}.frequent", frequent, 8), 8),
+                (f"{name}.rare", self.quantized(f"{name}.rare", rare, 4), 4)]
+
     def embedding(self, g, ids):
         table = self.w["model.embed_tokens.weight"]
         if self.precision != "int4":
             return g.op("Gather", [g.weight("embed_tokens", table.astype(self.store)), ids], axis=0)
-        q = self.quantized("embed_tokens", table, self.head_bits)
-        qweight, scales, zero_points = self.nbits_inputs(g, "embed_tokens", q)
+        parts = self.vocab_parts("embed_tokens", table)
+        if len(parts) == 1:
+            return self._lookup(g, ids, *parts[0])
+        # mixed: each id looked up in both parts (clamped into range), the right one kept
+        first_rare = g.weight("first_rare_token", np.array(FREQUENT_TOKENS))
+        frequent = self._lookup(g, g.op("Min", [ids, g.weight("last_frequent_token", np.array(
+            FREQUENT_TOKENS - 1))]), *parts[0])
+        rare = self._lookup(g, g.op("Max", [g.op("Sub", [ids, first_rare]), g.weight(
+            "zero", np.array([0]))]), *parts[1])
+        is_frequent = g.op("Unsqueeze", [g.op("Less", [ids, first_rare]),
+                                         g.weight("axis_minus_1", np.array([-1]))])
+        return g.op("Where", [is_frequent, frequent, rare])
+
+    def _lookup(self, g, ids, name, q, bits):
+        """Rows of a quantized vocabulary table, dequantized."""
+        qweight, scales, zero_points = self.nbits_inputs(g, name, q)
         # the same bytes as the lm_head's MatMulNBits weight, viewed as [vocab, hidden bytes]
-        g.initializers[qweight] = q.packed.reshape(table.shape[0], -1)
+        g.initializers[qweight] = q.packed.reshape(q.packed.shape[0], -1)
         return g.op("GatherBlockQuantized", [qweight, ids, scales, zero_points], domain=MS,
-                    bits=self.head_bits, block_size=BLOCK, gather_axis=0, quantize_axis=1)
+                    bits=bits, block_size=BLOCK, gather_axis=0, quantize_axis=1)
 
     def lm_head(self, g, x, vocab=None):
         """Logits from normed hidden states, for all tokens or for the ids in `vocab` (a
         shortlist, stored as its own table). In int4 artifacts the vocabulary table has
-        head_bits (8 or 4, with zero points): it decides the top token."""
+        head_bits (8, 4 or mixed, see vocab_parts): it decides the top token."""
         tied = self.arch.tie_word_embeddings
         name = "embed_tokens" if tied else "lm_head"
         table = self.w["model.embed_tokens.weight" if tied else "lm_head.weight"]
         if vocab is not None:
             name, table = "draft_head", table[vocab]
         if self.precision == "int4":
-            q = self.quantized(name, table, self.head_bits)
-            return g.op("MatMulNBits", [x, *self.nbits_inputs(g, name, q)], domain=MS,
-                        K=table.shape[1], N=table.shape[0], bits=self.head_bits,
-                        block_size=BLOCK, accuracy_level=ACCURACY_LEVEL)
+            logits = [g.op("MatMulNBits", [x, *self.nbits_inputs(g, part, q)], domain=MS,
+                           K=table.shape[1], N=q.packed.shape[0], bits=bits,
+                           block_size=BLOCK, accuracy_level=ACCURACY_LEVEL)
+                      for part, q, bits in self.vocab_parts(name, table)]
+            return logits[0] if len(logits) == 1 else g.op("Concat", logits, axis=-1)
         # Gemm with transB reads the table as stored: one copy for lookup and lm_head
         rows = g.op("Reshape", [x, g.weight("rows_by_hidden", np.array([-1, table.shape[1]]))])
         logits = g.op("Gemm", [rows, g.weight(name, table.astype(self.store))], transB=1)

@@ -13,16 +13,17 @@ from edgespec.artifact import DRAFT_VOCAB
 
 from . import quality
 from .calibrate import FIXED, calibrate_draft
+from . import graph
 from .graph import ACCURACY_LEVEL, Blocks, build_draft, build_head, build_lower, build_upper
 from .quantize import BLOCK, INT4_SCHEMES
 from .source import load_source
 from .writer import write_graphs, write_manifest, write_tokenizer
 
 PRECISIONS = ("int4", "fp16", "fp32")
-HEAD_BITS = (4, 8)
+HEAD_BITS = (8, 4, "mixed")
 DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_ADAPTER_MINUTES = 8.0
-DEFAULT_HEAD_BITS = 8
+DEFAULT_HEAD_BITS = "mixed"
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -38,7 +39,7 @@ def check_formats(precision, device, int4_scheme, head_bits):
         raise EdgespecError(f"unknown int4 scheme {int4_scheme}; choose one of "
                             f"{', '.join(INT4_SCHEMES)}")
     if head_bits not in HEAD_BITS:
-        raise EdgespecError(f"unsupported head bits {head_bits}; choose 4 or 8")
+        raise EdgespecError(f"unsupported head bits {head_bits}; choose 8, 4 or mixed")
     if device not in ("cpu", "cuda"):
         raise EdgespecError(f"unknown device {device}; choose cpu or cuda")
 
@@ -72,7 +73,8 @@ def export_model(model=None, out=None, exit_layer=None, precision="int4", max_co
     (k, threshold, lookup) on the artifact and make the best the default. save_adapter: keep
     the adapter used in this file (fp16) for later exports. int4_scheme: "zp" (4-bit zero
     points, one op a linear layer) or "q4_1" (the GGUF Q4_1 grid, exact for Q4_1 sources,
-    slower); head_bits: 8 or 4 for the vocabulary table of int4 artifacts."""
+    slower); head_bits: 8, 4 or "mixed" (the most used tokens at 8 bits, the rest at 4)
+    for the vocabulary table of int4 artifacts."""
     start = time.perf_counter()
     check_formats(precision, device, int4_scheme, head_bits)
     log(f"reading {model or 'the bundled SmolLM2-135M-Instruct'} ...")
@@ -103,7 +105,8 @@ def export_model(model=None, out=None, exit_layer=None, precision="int4", max_co
             "chat_template": "chat_template.jinja",
             "build": {"edgespec": __version__, "int4_block_size": BLOCK,
                       "int4_accuracy_level": ACCURACY_LEVEL, "int4_scheme": int4_scheme,
-                      "head_bits": head_bits},
+                      "head_bits": head_bits, **({"head_8bit_tokens": graph.FREQUENT_TOKENS}
+                                                 if head_bits == "mixed" else {})},
         })
         if adapter is None and shortlist is None and not calibrate and not auto:
             artifact.write(exit_layer, FIXED)

@@ -54,11 +54,12 @@ def test_every_weight_is_stored_once(tiny_int4):
 
 @pytest.mark.parametrize("arch, tie, scheme, head_bits", [
     ("llama", True, "zp", 8), ("qwen2", False, "zp", 4), ("llama", True, "q4_1", 8),
-    ("llama", True, "q4_1", 4)])
+    ("llama", True, "q4_1", 4), ("llama", True, "zp", "mixed"), ("qwen2", False, "zp", "mixed")])
 def test_int4_graphs_compute_exactly_the_dequantized_model(arch, tie, scheme, head_bits,
                                                            tmp_path, monkeypatch):
     # accuracy level 0 keeps activations in fp32, so only the weight layout is under test
     monkeypatch.setattr(export.graph, "ACCURACY_LEVEL", 0)
+    monkeypatch.setattr(export.graph, "FREQUENT_TOKENS", 100)  # mixed: ids 0..99 at 8 bits
     checkpoint = make_checkpoint(tmp_path / "ckpt", arch=arch, tie=tie)
     export_model(str(checkpoint), tmp_path / "a", precision="int4", int4_scheme=scheme,
                  head_bits=head_bits, log=quiet)
@@ -70,8 +71,7 @@ def test_int4_graphs_compute_exactly_the_dequantized_model(arch, tie, scheme, he
                 continue
             w = p.numpy()
             if "embed" in name or "lm_head" in name:  # the vocabulary table: head_bits
-                w = (dequantize_int8(quantize_int8(w)) if head_bits == 8
-                     else dequantize_int4(quantize_int4(w, "zp")))
+                w = vocab_table(w, head_bits, frequent=100)
             else:
                 w = dequantize_int4(quantize_int4(w, scheme))
             p.copy_(torch.from_numpy(w))
@@ -81,6 +81,14 @@ def test_int4_graphs_compute_exactly_the_dequantized_model(arch, tie, scheme, he
     engine.upper(len(ids))
     got = engine.head(engine.final_states, range(len(ids)))
     assert np.abs(got - want).max() < 1e-4
+
+
+def vocab_table(w, head_bits, frequent):
+    """The vocabulary table as the int4 graphs compute with it."""
+    eight, four = dequantize_int8(quantize_int8(w)), dequantize_int4(quantize_int4(w, "zp"))
+    if head_bits == "mixed":  # the first ids at 8 bits, the rest at 4, each quantized alone
+        return np.concatenate([eight[:frequent], dequantize_int4(quantize_int4(w[frequent:]))])
+    return eight if head_bits == 8 else four
 
 
 def q4_1(w):
@@ -156,7 +164,7 @@ def test_exit_layer_out_of_range_is_refused(tiny_checkpoint, tmp_path):
 
 @pytest.mark.parametrize("option, message", [
     ({"int4_scheme": "q3_k"}, "unknown int4 scheme q3_k; choose one of zp, q4_1"),
-    ({"head_bits": 6}, "unsupported head bits 6; choose 4 or 8"),
+    ({"head_bits": 6}, "unsupported head bits 6; choose 8, 4 or mixed"),
 ])
 def test_an_unknown_quantization_is_refused_before_the_model_is_read(option, message, tmp_path):
     # the model does not exist either: the option is what gets reported, first
