@@ -23,7 +23,9 @@ class Generation:
     prefill_s: float
     decode_s: float
     mode: str
-    finish_reason: str  # "stop" (end of turn), "length" (max_new_tokens) or "context_full"
+    # "stop" (end of turn), "length" (max_new_tokens), "context_full", or "cancelled" (the
+    # caller ended it with stop_reply)
+    finish_reason: str
     stats: dict = field(default_factory=dict)
     n_prefilled: int = 0  # prompt tokens run through the model (the rest came from the cache)
 
@@ -49,6 +51,23 @@ class Piece:
     generated: int = 0
 
 
+class StopReply(Exception):
+    """Thrown into a stream_ids generator (see stop_reply): end the reply here."""
+
+
+def stop_reply(pieces):
+    """End a stream_ids generator at the piece it last yielded; its Generation so far
+    (finish_reason "cancelled"), or None when it had not begun. Unlike close(), this keeps
+    the reply's statistics. The cache stays consistent either way."""
+    try:
+        pieces.throw(StopReply())
+    except StopIteration as done:
+        return done.value
+    except StopReply:  # not started (or already finished): nothing was generated
+        return None
+    raise RuntimeError("a stopped generator yielded again")
+
+
 class TextStream:
     """Iterates over the text pieces of a reply; `result` is its Generation once done."""
 
@@ -67,6 +86,13 @@ class TextStream:
     def close(self):
         """Stop the generation early (the cache stays consistent)."""
         self._pieces.close()
+
+    def stop(self):
+        """Stop the generation early and keep what it did: `result` becomes its Generation
+        so far (finish_reason "cancelled"; None if it had not begun)."""
+        if self.result is None:
+            self.result = stop_reply(self._pieces)
+        return self.result
 
 
 class Model:
@@ -178,6 +204,8 @@ class Model:
                     break
         except ContextFull:
             finish = "context_full"
+        except StopReply:
+            finish = "cancelled"
         decode_s = time.perf_counter() - start - prefill_s
         return Generation(self.codec.decode(tokens), tokens, len(prompt_ids), prefill_s,
                           decode_s, mode, finish or "length",

@@ -1,10 +1,13 @@
-"""What one client may hold of the server: its connection, its body, its silence.
+"""What one client may hold of the server: its key, its connection, its body, its silence.
 
-A body is read only when framed by one plain Content-Length within the limit; a connection
-whose client stays silent past the timeout is closed; at most so many connections (one
-thread each) are open, and one more is answered 503 from the accept loop and closed.
+With an API key set, a request must carry it as a bearer token before anything else is
+read; a body is read only when framed by one plain Content-Length within the limit; a
+connection whose client stays silent past the timeout is closed; at most so many
+connections (one thread each) are open, and one more is answered 503 from the accept loop
+and closed.
 """
 import contextlib
+import hmac
 import json
 import select
 import socket
@@ -37,12 +40,33 @@ class Limits:
 
 
 class Refused(Exception):
-    """A request answered with `status` before (or instead of) reading its body; the
-    connection closes after the answer."""
+    """A request answered with `status` (and `headers`) before (or instead of) reading its
+    body; the connection closes after the answer."""
 
-    def __init__(self, status, message, body_unread=True):
+    def __init__(self, status, message, body_unread=True, headers=None):
         super().__init__(message)
-        self.status, self.body_unread = status, body_unread
+        self.status, self.body_unread, self.headers = status, body_unread, headers or {}
+
+
+def check_api_key(key: str) -> str:
+    """The key as given, if it can travel in an Authorization header."""
+    if not (key.isascii() and key.isprintable() and key.strip() == key and " " not in key):
+        raise EdgespecError("the API key must be printable ASCII without spaces (it travels "
+                            "in an HTTP header); choose another --api-key / EDGESPEC_API_KEY")
+    return key
+
+
+def require_key(headers, key: str, body_unread: bool):
+    """Refused (401) unless the request carries `Authorization: Bearer KEY`."""
+    scheme, _, token = (headers.get("Authorization") or "").strip().partition(" ")
+    # compared in constant time, so the answer's timing does not spell the key out
+    if scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), key.encode()):
+        return
+    challenge = 'Bearer realm="edgespec"' + (', error="invalid_token"' if token else "")
+    raise Refused(401, "a valid API key is needed: send it as 'Authorization: Bearer KEY'"
+                  if not token else "the API key is not valid",
+                  body_unread, {"WWW-Authenticate": challenge})
 
 
 def read_body(headers, rfile, limits: Limits) -> bytes:
@@ -96,13 +120,14 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False  # a handler stuck on its client must not hold up shutdown
 
-    def __init__(self, address, handler, max_connections):
-        self.max_connections = max_connections
+    def __init__(self, address, handler, max_connections, on_turn_away=lambda: None):
+        self.max_connections, self.on_turn_away = max_connections, on_turn_away
         self.slots = threading.BoundedSemaphore(max_connections)
         super().__init__(address, handler)
 
     def process_request(self, request, client_address):
         if not self.slots.acquire(blocking=False):
+            self.on_turn_away()
             self._turn_away(request)
             self.shutdown_request(request)
             return

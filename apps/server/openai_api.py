@@ -5,6 +5,7 @@ import time
 import uuid
 
 from edgespec.errors import EdgespecError
+from edgespec.model import MODES
 from edgespec.sampling import SamplingParams
 
 
@@ -67,20 +68,32 @@ def _flag(body, name, param=None) -> bool:
     return bool(value)
 
 
-def _max_new_tokens(body) -> int:
+def _max_new_tokens(body, cap) -> int:
     # max_completion_tokens (the newer name) wins when given, even when it is invalid
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
-    value = _number(body, name, 256, integer=True)
+    value = _number(body, name, min(256, cap or 256), integer=True)
     if value < 1:
         raise BadRequest(f"{name} must be >= 1, not {value}", name)
+    if cap and value > cap:
+        raise BadRequest(f"{name} {value} is above this server's limit of {cap} tokens a "
+                         "reply (its --max-tokens)", name)
     return value
 
 
-def generation_options(body: dict, allow_ignore_eos: bool = False) -> dict:
+def _mode(body) -> str:
+    mode = body.get("mode", "speculative")
+    if mode not in MODES:
+        raise BadRequest(f"mode must be one of {', '.join(MODES)}, not {_shown(mode)}", "mode")
+    return mode
+
+
+def generation_options(body: dict, allow_ignore_eos: bool = False, max_tokens: int = None
+                       ) -> dict:
     """Sampling and length options from an OpenAI request (validated). ignore_eos is
     refused unless the server allows it: it lets one request hold the worker for a whole
-    context."""
+    context. max_tokens: the most tokens a reply may ask for (None: no limit but the
+    context)."""
     if _number(body, "n", 1, integer=True) != 1:
         raise BadRequest("only n = 1 is supported", "n")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -106,8 +119,8 @@ def generation_options(body: dict, allow_ignore_eos: bool = False) -> dict:
     if ignore_eos and not allow_ignore_eos:
         raise BadRequest("ignore_eos is off on this server (a reply could hold it for a whole "
                          "context); start it with --allow-ignore-eos", "ignore_eos")
-    return {"max_new_tokens": _max_new_tokens(body), "stop": stop, "sampling": sampling,
-            "ignore_eos": ignore_eos}
+    return {"max_new_tokens": _max_new_tokens(body, max_tokens), "stop": stop,
+            "sampling": sampling, "ignore_eos": ignore_eos, "mode": _mode(body)}
 
 
 def stream_settings(body: dict) -> tuple:
@@ -198,9 +211,27 @@ def new_id(prefix):
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens, completion_tokens) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens, completion_tokens, result=None) -> dict:
+    """OpenAI's usage, and under "edgespec" what decoding did when the Generation is known
+    (a request cancelled before it began has none)."""
+    use = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if result is not None:
+        use["edgespec"] = speculation(result)
+    return use
+
+
+def speculation(result) -> dict:
+    """One reply's decoding numbers (plain decoding drafts nothing: its counts are 0)."""
+    stats = result.stats
+    return {"mode": result.mode, "tokens_per_s": round(result.decode_tokens_per_s, 2),
+            "prefill_s": round(result.prefill_s, 4), "decode_s": round(result.decode_s, 4),
+            "cached_prompt_tokens": result.n_prompt - result.n_prefilled,
+            "drafted": stats.get("drafted", 0), "accepted": stats.get("accepted", 0),
+            "rounds": stats.get("rounds", 0),
+            "acceptance": round(stats.get("acceptance", 0.0), 4),
+            "accepted_per_round": round(stats.get("accepted_per_round", 0.0), 4),
+            "tokens_per_round": round(stats.get("tokens_per_round", 0.0), 4)}
 
 
 def chat_response(rid, model, text, finish, use) -> dict:

@@ -1,4 +1,4 @@
-"""`edgespec serve`: an OpenAI-compatible HTTP server around one engine.
+"""`edgespec serve`: an OpenAI-compatible HTTP server around one engine, and its chat page.
 
 Requests wait in a bounded queue (full: 503 with Retry-After) and one worker thread, which
 owns the model, serves them in turn. A client that disconnects cancels its generation: the
@@ -9,7 +9,7 @@ No client can stall the others: every job ends with a final event, whatever fail
 every request gets an answer (a 4xx that says why, or a JSON 500); a connection stays open
 only while its client keeps talking (`Limits.client_timeout_s`), and only so many are open
 at once (`Limits.max_connections`, beyond which a connection is answered 503 and closed;
-see connections.py).
+see connections.py). With an API key, only the page (`/`) and /health answer without it.
 """
 import json
 import queue
@@ -19,14 +19,21 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
+from urllib.parse import urlsplit
 
 from edgespec.errors import EdgespecError
+from edgespec.model import stop_reply
 
 from . import openai_api as api
-from .connections import (RETRY_AFTER_S, Limits, Refused, Server, client_gone, linger,
-                          read_body)
+from .connections import (RETRY_AFTER_S, Limits, Refused, Server, check_api_key, client_gone,
+                          linger, read_body, require_key)
+from .metrics import CONTENT_TYPE as METRICS_TYPE
+from .metrics import Metrics
+from .page import HEADERS as PAGE_HEADERS
+from .page import load_page
 
 CHECK_S = 0.25  # how often a waiting handler checks that its client is still there
+OPEN_PATHS = {"/health"}  # with the page's files: answered without the API key
 
 
 @dataclass
@@ -39,11 +46,13 @@ class Job:
 
 
 class Worker(threading.Thread):
-    """Owns the model; runs queued jobs one at a time. Every job gets a final event."""
+    """Owns the model; runs queued jobs one at a time. Every job gets a final event:
+    {"finish", "generated", "result": the Generation or None} or {"error"}."""
 
-    def __init__(self, model, queue_size):
+    def __init__(self, model, queue_size, metrics: Metrics = None):
         super().__init__(daemon=True, name="edgespec-worker")
         self.model, self.jobs = model, queue.Queue(maxsize=queue_size)
+        self.metrics = metrics or Metrics()
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
         self.busy = False
 
@@ -63,6 +72,7 @@ class Worker(threading.Thread):
 
     def _fail(self, job, error):
         self.counts["failed"] += 1
+        self.metrics.generation("failed", len(job.prompt_ids))
         message = str(error)
         if not isinstance(error, EdgespecError):  # unforeseen: the operator needs the traceback
             traceback.print_exc()
@@ -72,19 +82,16 @@ class Worker(threading.Thread):
 
     def _serve(self, job):
         if job.cancelled.is_set():  # its client left while it waited: still tell its handler
-            self.counts["cancelled"] += 1
-            job.events.put({"finish": "cancelled", "generated": 0})
+            self._end(job, "cancelled", None, 0)
             return
         o = job.options
-        pieces = self.model.stream_ids(job.prompt_ids, o["max_new_tokens"],
+        pieces = self.model.stream_ids(job.prompt_ids, o["max_new_tokens"], o["mode"],
                                        reuse_cache=job.chat, ignore_eos=o["ignore_eos"],
                                        **o["sampling"])
         generated = 0
         while True:
-            if job.cancelled.is_set():
-                pieces.close()
-                self.counts["cancelled"] += 1
-                job.events.put({"finish": "cancelled", "generated": generated})
+            if job.cancelled.is_set():  # stopped here, the reply still tells what it did
+                self._end(job, "cancelled", stop_reply(pieces), generated)
                 return
             try:
                 piece = next(pieces)
@@ -93,39 +100,100 @@ class Worker(threading.Thread):
                 break
             generated = piece.generated
             job.events.put(piece.text)
-        self.counts["completed"] += 1
-        job.events.put({"finish": result.finish_reason, "generated": result.n_generated})
+        self._end(job, result.finish_reason, result, result.n_generated)
+
+    def _end(self, job, finish, result, generated):
+        generated = result.n_generated if result is not None else generated
+        self.counts["cancelled" if finish == "cancelled" else "completed"] += 1
+        self.metrics.generation(finish, len(job.prompt_ids), result, generated)
+        job.events.put({"finish": finish, "generated": generated, "result": result})
 
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "edgespec"
     worker: Worker = None
+    metrics: Metrics = None
+    page: dict = {}  # URL path -> (content type, bytes)
     model_name = "edgespec"
     limits = Limits()
     allow_ignore_eos = False
+    api_key = None  # set: the API needs `Authorization: Bearer KEY`
+    max_tokens = None  # the most tokens a request may ask for (None: the context's room)
     timeout = limits.client_timeout_s  # socketserver sets it on the connection
     streaming = False  # the response has begun: an error can no longer be a JSON answer
 
     def log_message(self, fmt, *args):  # one quiet line per request, to stderr
         sys.stderr.write(f"{self.address_string()} {fmt % args}\n")
 
+    def send_response(self, code, message=None):
+        self.metrics.response(code)  # every answer passes here, errors of http.server too
+        super().send_response(code, message)
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (a request line or header it cannot parse) as JSON."""
+        # it takes an unparsable request line for HTTP/0.9 and would answer without a
+        # status line; nobody speaks 0.9 now, so the answer is a full HTTP/1.1 one
+        self.request_version = "HTTP/1.1"
+        self.close_connection = True
+        self._json(code, api.error_body(message or self.responses.get(code, ("error",))[0]),
+                   {"Connection": "close"})
+        linger(self.connection)
+
+    def _route(self) -> str:
+        return urlsplit(self.path).path.rstrip("/") or "/"
+
+    def _authorize(self, body_unread: bool):
+        if self.api_key is not None:
+            require_key(self.headers, self.api_key, body_unread)
+
     # -- routing ---------------------------------------------------------------------------
 
     def do_GET(self):
-        if self.path.rstrip("/") == "/v1/models":
-            self._json(200, {"object": "list", "data": [
-                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "edgespec"}]})
-        elif self.path.rstrip("/") == "/health":
+        route = self._route()
+        if route in self.page:
+            kind, data = self.page[route]
+            self._send(200, kind, data, PAGE_HEADERS)
+            return
+        if route == "/health":
             self._json(200, {"busy": self.worker.busy, "queued": self.worker.jobs.qsize(),
                              **self.worker.counts})
+            return
+        try:
+            self._authorize(body_unread=False)
+        except Refused as e:
+            self._refuse(e)
+            return
+        if route == "/v1/models":
+            self._json(200, {"object": "list", "data": [
+                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "edgespec"}]})
+        elif route == "/metrics":
+            text = self.metrics.render(self.worker.jobs.qsize(), self.worker.jobs.maxsize,
+                                       self.worker.busy)
+            self._send(200, METRICS_TYPE, text.encode())
         else:
             self._json(404, api.error_body(f"no route GET {self.path}", "not_found"))
 
+    def _method_not_allowed(self):
+        """Other methods: 405 (http.server would answer 501, as for a method it never heard
+        of), the connection closed since a body may follow."""
+        self.close_connection = True
+        self._json(405, api.error_body(f"{self.command} is not served here; the API takes "
+                                       "GET and POST", "method_not_allowed"),
+                   {"Allow": "GET, POST", "Connection": "close"})
+        linger(self.connection)
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _method_not_allowed
+
+    def do_HEAD(self):
+        self.do_GET()  # _send leaves the body out
+
     def do_POST(self):
         self.streaming = False
+        started = time.monotonic()
         try:
-            self._route_post()
+            self._authorize(body_unread=True)
+            self._route_post(started)
         except Refused as e:
             self._refuse(e)
         except api.BadRequest as e:
@@ -140,32 +208,32 @@ class Handler(BaseHTTPRequestHandler):
                 self._json(500, api.error_body(f"internal error: {type(e).__name__}: {e}",
                                                "server_error"))
 
-    def _route_post(self):
+    def _route_post(self, started):
         routes = {"/v1/chat/completions": self._chat, "/v1/completions": self._completion}
         # read even for a 404, so that the next request on the connection starts in step
         raw = read_body(self.headers, self.rfile, self.limits)
-        handler = routes.get(self.path.rstrip("/"))
+        handler = routes.get(self._route())
         if handler is None:
             self._json(404, api.error_body(f"no route POST {self.path}", "not_found"))
             return
-        handler(api.parse_body(raw))
+        handler(api.parse_body(raw), started)
 
     # -- the two generation endpoints -----------------------------------------------------
 
-    def _chat(self, body):
+    def _chat(self, body, started):
         messages = api.chat_messages(body)
         try:
             ids = self.worker.model.codec.encode_chat(messages)
         except EdgespecError as e:  # the chat template refused the conversation
             raise api.BadRequest(str(e), "messages") from e
-        self._generate(body, ids, chat=True)
+        self._generate(body, ids, True, started)
 
-    def _completion(self, body):
+    def _completion(self, body, started):
         self._generate(body, self.worker.model.codec.encode(api.completion_prompt(body)),
-                       chat=False)
+                       False, started)
 
-    def _generate(self, body, ids, chat):
-        options = api.generation_options(body, self.allow_ignore_eos)
+    def _generate(self, body, ids, chat, started):
+        options = api.generation_options(body, self.allow_ignore_eos, self.max_tokens)
         stream, include_usage = api.stream_settings(body)
         limit = self.worker.model.engine.max_context
         if len(ids) >= limit:
@@ -182,17 +250,20 @@ class Handler(BaseHTTPRequestHandler):
             return
         rid = api.new_id("chatcmpl" if chat else "cmpl")
         scanner = api.StopScanner(options["stop"])
+        self.first_text_s = None  # set by _events
         try:
             if stream:
-                self._stream(job, rid, chat, scanner, include_usage)
+                self._stream(job, rid, chat, scanner, include_usage, started)
             else:
-                self._complete(job, rid, chat, scanner)
+                self._complete(job, rid, chat, scanner, started)
+            self.metrics.request_timed(time.monotonic() - started, self.first_text_s)
         finally:
             job.cancelled.set()  # a handler that stops early (client gone, error) stops its job
 
-    def _events(self, job, scanner):
+    def _events(self, job, scanner, started):
         """Text safe to send and the final event; cancels the job on a stop string or when
-        the client has gone (checked every CHECK_S, streaming or not)."""
+        the client has gone (checked every CHECK_S, streaming or not). Notes when the first
+        text came (first_text_s, seconds after `started`)."""
         checked = time.monotonic()
         while True:
             try:
@@ -213,21 +284,23 @@ class Handler(BaseHTTPRequestHandler):
             text = scanner.feed(event)
             if scanner.stopped:
                 job.cancelled.set()
+            if text and self.first_text_s is None:
+                self.first_text_s = time.monotonic() - started
             yield text, None
 
-    def _complete(self, job, rid, chat, scanner):
+    def _complete(self, job, rid, chat, scanner, started):
         parts, final = [], None
-        for text, final in self._events(job, scanner):
+        for text, final in self._events(job, scanner, started):
             parts.append(text)
         if "error" in final:
             self._json(500, api.error_body(final["error"], "server_error"))
             return
         finish = api.finish_reason(final["finish"], scanner.stopped)
-        use = api.usage(len(job.prompt_ids), final["generated"])
+        use = api.usage(len(job.prompt_ids), final["generated"], final["result"])
         respond = api.chat_response if chat else api.completion_response
         self._json(200, respond(rid, self.model_name, "".join(parts), finish, use))
 
-    def _stream(self, job, rid, chat, scanner, include_usage):
+    def _stream(self, job, rid, chat, scanner, include_usage, started):
         self.streaming = True
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -237,7 +310,7 @@ class Handler(BaseHTTPRequestHandler):
         chunk = api.chat_chunk if chat else api.completion_chunk
         if chat:
             self._sse(chunk(rid, self.model_name, {"role": "assistant", "content": ""}))
-        for text, final in self._events(job, scanner):
+        for text, final in self._events(job, scanner, started):
             if text:
                 self._sse(chunk(rid, self.model_name, {"content": text} if chat else text))
             if final is None:
@@ -248,8 +321,8 @@ class Handler(BaseHTTPRequestHandler):
             finish = api.finish_reason(final["finish"], scanner.stopped)
             self._sse(chunk(rid, self.model_name, {} if chat else "", finish))
             if include_usage:
-                self._sse(chunk(rid, self.model_name, use=api.usage(len(job.prompt_ids),
-                                                                     final["generated"])))
+                self._sse(chunk(rid, self.model_name, use=api.usage(
+                    len(job.prompt_ids), final["generated"], final["result"])))
         self._write_chunk(b"data: [DONE]\n\n")
         self._write_chunk(b"")
 
@@ -263,31 +336,44 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _json(self, status, payload, headers=None):
-        data = json.dumps(payload).encode()
+        self._send(status, "application/json", json.dumps(payload).encode(), headers)
+
+    def _send(self, status, kind, data: bytes, headers=None):
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(data)))
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":  # a HEAD answer has the headers alone
+            self.wfile.write(data)
 
     def _refuse(self, refusal: Refused):
         """Answer, then close the connection (lingering over a body still on its way)."""
-        self._json(refusal.status, api.error_body(str(refusal)), {"Connection": "close"})
+        self._json(refusal.status, api.error_body(str(refusal)),
+                   {**refusal.headers, "Connection": "close"})
         if refusal.body_unread:
             linger(self.connection)
 
 
 def make_server(model, host="127.0.0.1", port=8000, queue_size=32, limits=Limits(),
-                allow_ignore_eos=False) -> Server:
-    """The server and its worker, listening; call serve_forever() on it."""
-    worker = Worker(model, queue_size)
+                allow_ignore_eos=False, api_key=None, max_tokens=None) -> Server:
+    """The server and its worker, listening; call serve_forever() on it.
+    api_key: the API (all but the page and /health) needs it as a bearer token.
+    max_tokens: the most tokens a request may ask for (more is a 400)."""
+    metrics = Metrics()
+    worker = Worker(model, queue_size, metrics)
+    if max_tokens is not None and max_tokens < 1:
+        raise EdgespecError(f"invalid --max-tokens {max_tokens}: it must be >= 1")
     handler = type("BoundHandler", (Handler,), {
-        "worker": worker, "model_name": model.artifact.path.name, "limits": limits,
-        "timeout": limits.client_timeout_s, "allow_ignore_eos": allow_ignore_eos})
+        "worker": worker, "metrics": metrics, "page": load_page(),
+        "model_name": model.artifact.path.name, "limits": limits,
+        "timeout": limits.client_timeout_s, "allow_ignore_eos": allow_ignore_eos,
+        "api_key": None if api_key is None else check_api_key(api_key),
+        "max_tokens": max_tokens})
     try:
-        httpd = Server((host, port), handler, limits.max_connections)
+        httpd = Server((host, port), handler, limits.max_connections,
+                       on_turn_away=lambda: metrics.response(503))
     except OSError as e:
         raise EdgespecError(f"cannot listen on {host}:{port} ({e.strerror}); "
                             "choose another --port") from e
@@ -295,11 +381,10 @@ def make_server(model, host="127.0.0.1", port=8000, queue_size=32, limits=Limits
     return httpd
 
 
-def serve(model, host="127.0.0.1", port=8000, queue_size=32, ready=None, limits=Limits(),
-          allow_ignore_eos=False):
+def serve(model, host="127.0.0.1", port=8000, queue_size=32, ready=None, **options):
     """Serve until interrupted. `ready(address)` is called once the socket listens.
-    allow_ignore_eos: honour requests' ignore_eos (a reply may then fill the context)."""
-    httpd = make_server(model, host, port, queue_size, limits, allow_ignore_eos)
+    options: those of make_server (limits, allow_ignore_eos, api_key, max_tokens)."""
+    httpd = make_server(model, host, port, queue_size, **options)
     (ready or (lambda address: None))(httpd.server_address)
     try:
         httpd.serve_forever()

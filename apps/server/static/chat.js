@@ -1,0 +1,203 @@
+// The chat page of `edgespec serve`: streams replies from this server's
+// /v1/chat/completions (server-sent events) and shows what speculation did for each.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "mode"];
+const state = { messages: [], controller: null, model: "edgespec" };
+
+function authHeaders() {
+  const key = $("api_key").value.trim();
+  return key ? { Authorization: "Bearer " + key } : {};
+}
+
+function setStatus(text) {
+  $("status").textContent = text;
+}
+
+async function loadModel() {
+  try {
+    const response = await fetch("/v1/models", { headers: authHeaders() });
+    if (response.status === 401) {
+      $("model").textContent = "";
+      setStatus("This server needs an API key: paste it under Settings.");
+      return;
+    }
+    const body = await response.json();
+    state.model = body.data[0].id;
+    $("model").textContent = state.model;
+    setStatus("");
+  } catch (error) {
+    setStatus("Cannot reach the server: " + error.message);
+  }
+}
+
+function addMessage(role, text) {
+  const div = document.createElement("div");
+  div.className = "message " + role;
+  const body = document.createElement("div");
+  body.className = "text";
+  body.textContent = text;  // text, never HTML: a reply cannot inject markup
+  const stats = document.createElement("div");
+  stats.className = "stats";
+  div.append(body, stats);
+  $("conversation").append(div);
+  div.scrollIntoView({ block: "end" });
+  return { div, body, stats };
+}
+
+function number(id, parse) {
+  const value = parse($(id).value);
+  return Number.isFinite(value) ? value : undefined;  // blank: the server's default
+}
+
+function requestBody() {
+  const system = $("system").value.trim();
+  const messages = system ? [{ role: "system", content: system }, ...state.messages]
+                          : state.messages;
+  return {
+    model: state.model, messages, stream: true, stream_options: { include_usage: true },
+    temperature: number("temperature", parseFloat), top_p: number("top_p", parseFloat),
+    max_tokens: number("max_tokens", (v) => parseInt(v, 10)), mode: $("mode").value,
+  };
+}
+
+// Server-sent events from a fetch body: each `data:` payload, parsed, until [DONE].
+async function* serverEvents(stream) {
+  const reader = stream.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const data = buffer.slice(0, end).split("\n").filter((line) => line.startsWith("data:"))
+        .map((line) => line.slice(5).trimStart()).join("\n");
+      buffer = buffer.slice(end + 2);
+      if (data === "[DONE]") return;
+      if (data) yield JSON.parse(data);
+    }
+  }
+}
+
+async function errorText(response) {
+  if (response.status === 401) return "401: the API key is missing or wrong (Settings).";
+  try {
+    return response.status + ": " + (await response.json()).error.message;
+  } catch (_) {
+    return response.status + " " + response.statusText;
+  }
+}
+
+function statsLine(usage) {
+  const s = usage.edgespec || {};
+  const parts = [usage.completion_tokens + " tokens"];
+  if (s.tokens_per_s !== undefined) parts.push(s.tokens_per_s.toFixed(1) + " tokens/s");
+  if (s.mode === "speculative") {
+    parts.push(s.accepted_per_round.toFixed(2) + " accepted/round",
+               "accepted " + s.accepted + "/" + s.drafted + " drafts");
+  } else if (s.mode) {
+    parts.push(s.mode);
+  }
+  return parts.join(" \u00b7 ");
+}
+
+function setBusy(busy) {
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+}
+
+async function send(event) {
+  event.preventDefault();
+  const text = $("prompt").value.trim();
+  if (!text || state.controller) return;
+  $("prompt").value = "";
+  const messages = state.messages;  // "New chat" mid-reply starts another list
+  messages.push({ role: "user", content: text });
+  const asked = addMessage("user", text);
+  const reply = addMessage("assistant", "");
+  const controller = new AbortController();
+  state.controller = controller;
+  setBusy(true);
+  setStatus("");
+  let content = "", usage = null, failure = null;
+  try {
+    const response = await fetch("/v1/chat/completions", {
+      method: "POST", body: JSON.stringify(requestBody()), signal: controller.signal,
+      headers: { "Content-Type": "application/json", ...authHeaders() },
+    });
+    if (!response.ok) throw new Error(await errorText(response));
+    for await (const chunk of serverEvents(response.body)) {
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) usage = chunk.usage;
+      const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
+      if (delta && delta.content) {
+        content += delta.content;
+        reply.body.textContent = content;
+        reply.div.scrollIntoView({ block: "end" });
+      }
+    }
+  } catch (error) {
+    if (error.name !== "AbortError") failure = error.message;
+  }
+  const stopped = controller.signal.aborted;
+  if (failure && !content) {
+    // nothing came back: take the message back so that it can be sent again
+    messages.pop();
+    asked.div.classList.add("failed");
+    reply.div.remove();
+    $("prompt").value = text;
+    setStatus(failure);
+  } else {
+    // a stopped or broken reply stays in the conversation as far as it got, as in the
+    // terminal chat, so the next turn answers what the user saw
+    messages.push({ role: "assistant", content });
+    reply.stats.textContent = stopped ? "stopped" : usage ? statsLine(usage) : "";
+    if (failure) setStatus(failure);
+  }
+  state.controller = null;
+  setBusy(false);
+  $("prompt").focus();
+}
+
+function stop() {
+  if (state.controller) state.controller.abort();  // the server cancels the generation
+}
+
+function newChat() {
+  stop();
+  state.messages = [];
+  $("conversation").replaceChildren();
+  setStatus("");
+}
+
+// settings last between visits (local storage); the API key only for this tab's life
+function restoreSettings() {
+  for (const id of SETTINGS) {
+    const saved = localStorage.getItem("edgespec." + id);
+    if (saved !== null) $(id).value = saved;
+    $(id).addEventListener("change", () => localStorage.setItem("edgespec." + id, $(id).value));
+  }
+  $("api_key").value = sessionStorage.getItem("edgespec.api_key") || "";
+  $("api_key").addEventListener("change", () => {
+    sessionStorage.setItem("edgespec.api_key", $("api_key").value.trim());
+    loadModel();
+  });
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  restoreSettings();
+  $("composer").addEventListener("submit", send);
+  $("stop").addEventListener("click", stop);
+  $("new-chat").addEventListener("click", newChat);
+  $("prompt").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey) {
+      event.preventDefault();
+      $("composer").requestSubmit();
+    }
+  });
+  loadModel();
+  $("prompt").focus();
+});
