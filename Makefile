@@ -7,7 +7,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 PEERS_BIN := .venv-peers/bin
 GENAI_MODEL := models/peers/genai-int4
 
-.PHONY: install xvfb demo test clean peers peers-bench
+.PHONY: install xvfb chromium demo test clean peers peers-bench
 
 $(BIN)/edgespec: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,15 @@ xvfb:
 	  (apt-get update -qq >/dev/null && apt-get install -y -qq xvfb >/dev/null) || \
 	  echo "could not install Xvfb: apt-get install xvfb, for the desktop test"
 
-test: install xvfb
+# the chat page's test drives a real headless browser: Debian's chromium, through Playwright
+chromium:
+	@command -v chromium >/dev/null || \
+	  apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 || \
+	  (apt-get update -qq >/dev/null && \
+	   apt-get install -y -qq --no-install-recommends chromium >/dev/null) || \
+	  echo "could not install chromium: apt-get install chromium, for the chat page's test"
+
+test: install xvfb chromium
 	$(BIN)/python -m pytest -q
 
 # onnxruntime-genai beside edgespec in a venv of their own, and genai's int4 model of the

@@ -1,5 +1,6 @@
 """The desktop example: a Tk window on a virtual screen embeds the runtime and streams a reply."""
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -33,6 +34,20 @@ def display():
         os.environ["DISPLAY"] = previous
 
 
+def pump(root, until, timeout=30):
+    """Run the Tk loop until `until()` is true."""
+    deadline = time.time() + timeout
+    while not until() and time.time() < deadline:
+        root.update()
+        time.sleep(0.002)
+    root.update()
+    assert until(), f"not done within {timeout} s"
+
+
+def reply_shown(window) -> str:
+    return window.transcript().rsplit("assistant: ", 1)[1].strip()
+
+
 def test_the_window_streams_a_reply_and_stays_responsive(display, tiny_int4, tmp_path):
     import tkinter as tk
 
@@ -55,8 +70,41 @@ def test_the_window_streams_a_reply_and_stays_responsive(display, tiny_int4, tmp
     assert "you: hello there" in transcript
     reply = transcript.split("assistant: ", 1)[1].strip()
     assert reply, transcript
-    assert window.status.cget("text").endswith("%") and "tokens/s" in window.status.cget("text")
+    assert re.fullmatch(r"\d+ tokens · [\d.]+ tokens/s · [\d.]+ accepted/round · accepted "
+                        r"\d+/\d+ drafts", window.status.cget("text"))
     assert max(b - a for a, b in zip(ticks, ticks[1:])) < 0.5  # never frozen
     if shutil.which("xwd"):
         subprocess.run(["xwd", "-root", "-display", display, "-out", str(tmp_path / "window.xwd")])
+    root.destroy()
+
+
+def test_stop_interrupts_a_reply_and_the_conversation_goes_on(display, long_artifact):
+    import tkinter as tk
+
+    from apps.desktop.chat_window import ChatWindow
+    root = tk.Tk()
+    # ignore_eos: the random model would end its turn at any token; this reply runs on
+    window = ChatWindow(root, edgespec.load(long_artifact), max_new_tokens=3000,
+                        ignore_eos=True)
+    assert str(window.stop_button.cget("state")) == "disabled"
+    window.send("go")
+    pump(root, lambda: len(reply_shown(window)) > 0)
+    window.stop_button.invoke()
+    pump(root, lambda: not window.busy)
+    status = window.status.cget("text")
+    assert status.endswith("(stopped)") and "accepted/round" in status, status
+    assert int(status.split()[0]) < 3000
+    kept = window.messages[1]["content"]
+    assert window.messages == [{"role": "user", "content": "go"},
+                               {"role": "assistant", "content": kept}]
+    assert kept.replace("\x00", "").strip() == reply_shown(window)  # Tk's text drops NULs
+    assert str(window.stop_button.cget("state")) == "disabled"
+    # the next turn answers the conversation as shown, as the same one sent afresh would
+    window.max_new_tokens = 12
+    window.send("more")
+    pump(root, lambda: not window.busy)
+    fresh = edgespec.load(long_artifact).chat(window.messages[:3], max_new_tokens=12,
+                                              ignore_eos=True)
+    assert window.messages[3] == {"role": "assistant", "content": fresh.text}
+    assert not window.status.cget("text").endswith("(stopped)")
     root.destroy()

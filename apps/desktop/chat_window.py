@@ -2,7 +2,8 @@
 
 The model runs on a worker thread and hands text pieces to the Tk main loop through a
 queue, which the window polls; so the window keeps redrawing and answering while a reply
-streams. Run: python -m apps.desktop.chat_window models/smollm2-135m-instruct
+streams. Stop ends a reply where it is; what came stays in the conversation. Run:
+python -m apps.desktop.chat_window models/smollm2-135m-instruct
 """
 import argparse
 import queue
@@ -15,21 +16,38 @@ import edgespec
 POLL_MS = 30
 
 
+def stats_line(result) -> str:
+    """A reply's numbers, as the server's chat page shows them."""
+    parts = [f"{result.n_generated} tokens", f"{result.decode_tokens_per_s:.1f} tokens/s"]
+    if result.mode == "speculative":
+        s = result.stats
+        parts += [f"{s['accepted_per_round']:.2f} accepted/round",
+                  f"accepted {s['accepted']}/{s['drafted']} drafts"]
+    else:
+        parts.append(result.mode)
+    return " \u00b7 ".join(parts) + (" (stopped)" if result.finish_reason == "cancelled" else "")
+
+
 class ChatWindow:
-    def __init__(self, root: tk.Tk, model, max_new_tokens: int = 256):
+    def __init__(self, root: tk.Tk, model, max_new_tokens: int = 256, **options):
+        """options: generation options for Model.chat (temperature, draft_k, mode, ...)."""
         self.root, self.model, self.max_new_tokens = root, model, max_new_tokens
+        self.options = options
         self.messages, self.pieces, self.busy = [], queue.Queue(), False
+        self.stopping = threading.Event()  # set by Stop, read by the worker between pieces
         root.title(f"edgespec - {model.artifact.path.name}")
         self.log = scrolledtext.ScrolledText(root, wrap="word", state="disabled", width=72,
                                              height=20)
         self.log.tag_configure("user", foreground="#1f4e99")
         self.entry = tk.Entry(root, width=60)
         self.send_button = tk.Button(root, text="Send", command=self.send)
+        self.stop_button = tk.Button(root, text="Stop", command=self.stop, state="disabled")
         self.status = tk.Label(root, text="ready", anchor="w")
-        self.log.grid(row=0, column=0, columnspan=2, sticky="nsew", padx=6, pady=6)
+        self.log.grid(row=0, column=0, columnspan=3, sticky="nsew", padx=6, pady=6)
         self.entry.grid(row=1, column=0, sticky="ew", padx=6)
-        self.send_button.grid(row=1, column=1, padx=6)
-        self.status.grid(row=2, column=0, columnspan=2, sticky="ew", padx=6, pady=(2, 6))
+        self.send_button.grid(row=1, column=1, padx=(6, 0))
+        self.stop_button.grid(row=1, column=2, padx=6)
+        self.status.grid(row=2, column=0, columnspan=3, sticky="ew", padx=6, pady=(2, 6))
         root.columnconfigure(0, weight=1)
         root.rowconfigure(0, weight=1)
         self.entry.bind("<Return>", lambda event: self.send())
@@ -46,18 +64,30 @@ class ChatWindow:
         self._append("assistant: ")
         self.messages.append({"role": "user", "content": text})
         self.busy = True
+        self.stopping.clear()
         self.send_button.configure(state="disabled")
+        self.stop_button.configure(state="normal")
         self.status.configure(text="thinking...")
         threading.Thread(target=self._generate, args=(list(self.messages),), daemon=True).start()
+
+    def stop(self):
+        """End the reply being generated, at the next piece."""
+        if self.busy:
+            self.stopping.set()
+            self.status.configure(text="stopping...")
 
     def _generate(self, messages):
         """On the worker thread: stream the reply into the queue, then its result."""
         try:
-            stream = self.model.chat(messages, stream=True, max_new_tokens=self.max_new_tokens)
+            stream = self.model.chat(messages, stream=True, max_new_tokens=self.max_new_tokens,
+                                     **self.options)
             for piece in stream:
                 self.pieces.put(piece)
+                if self.stopping.is_set():
+                    stream.stop()  # its Generation so far, numbers included
+                    break
             self.pieces.put(stream.result)
-        except edgespec.EdgespecError as e:
+        except Exception as e:  # shown in the status line; the window must not stay busy
             self.pieces.put(e)
 
     def _poll(self):
@@ -76,15 +106,14 @@ class ChatWindow:
     def _finish(self, result):
         self._append("\n\n")
         if isinstance(result, Exception):
-            self.status.configure(text=f"error: {result}")
-        else:
+            self.messages.pop()  # no reply: the next message must not follow it unanswered
+            self.status.configure(text=f"error: {result} (that message was not kept)")
+        else:  # a stopped reply stays as far as it got, so the next turn answers what was shown
             self.messages.append({"role": "assistant", "content": result.text})
-            stats = result.stats
-            self.status.configure(text=f"{result.n_generated} tokens, "
-                                  f"{result.decode_tokens_per_s:.0f} tokens/s, acceptance "
-                                  f"{100 * stats.get('acceptance', 0):.0f}%")
+            self.status.configure(text=stats_line(result))
         self.busy = False
         self.send_button.configure(state="normal")
+        self.stop_button.configure(state="disabled")
 
     def _append(self, text, tag=None):
         self.log.configure(state="normal")
