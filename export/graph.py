@@ -126,16 +126,33 @@ class Blocks:
             g.block_sums[x] = g.op("MatMul", [x, g.weight(f"block_sum_{k}", ones)])
         return g.block_sums[x]
 
+    def norm_weight(self, name):
+        """The scale a norm multiplies by: its weight, plus 1 for Gemma's (1 + w) norms."""
+        w = self.w[name + ".weight"]
+        return w + np.float32(self.arch.norm_offset) if self.arch.norm_offset else w
+
     def rms_norm(self, g, x, name):
-        return g.op("SimplifiedLayerNormalization", [x, g.weight(name, self.w[name + ".weight"])],
+        return g.op("SimplifiedLayerNormalization", [x, g.weight(name, self.norm_weight(name))],
                     axis=-1, epsilon=self.arch.rms_norm_eps, stash_type=1)
 
     def skip_rms_norm(self, g, x, residual, name):
         """(norm(x + residual), x + residual) in one op."""
         normed, _, _, total = g.op("SkipSimplifiedLayerNormalization",
-                                   [x, residual, g.weight(name, self.w[name + ".weight"])], n_out=4,
+                                   [x, residual, g.weight(name, self.norm_weight(name))], n_out=4,
                                    domain=MS, epsilon=self.arch.rms_norm_eps)
         return normed, total
+
+    def head_norms(self, g, qkv, layer):
+        """Gemma's RMSNorm over each head's q and k (before rotary), on the packed QKV."""
+        a, p = self.arch, f"model.layers.{layer}.self_attn."
+        q_width, kv_width = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        q, k, v = g.op("Split", [qkv, g.weight(f"qkv_split_{q_width}_{kv_width}", np.array(
+            [q_width, kv_width, kv_width]))], n_out=3, axis=-1)
+        by_head = g.weight("by_head", np.array([0, 0, -1, a.head_dim]))
+        packed = g.weight("packed", np.array([0, 0, -1]))
+        q, k = (g.op("Reshape", [self.rms_norm(g, g.op("Reshape", [x, by_head]), p + name),
+                                 packed]) for x, name in ((q, "q_norm"), (k, "k_norm")))
+        return g.op("Concat", [q, k, v], axis=-1)
 
     def attention(self, g, x, layer, seqlens_k, total_len, cos, sin):
         a, p = self.arch, f"model.layers.{layer}.self_attn."
@@ -143,6 +160,10 @@ class Blocks:
         qkv_b = (np.concatenate([self.w[p + f"{m}_proj.bias"] for m in "qkv"])
                  if a.attention_bias else None)
         qkv = self.linear(g, x, f"layers.{layer}.qkv", qkv_w, qkv_b)
+        if a.qk_norm:
+            qkv = self.head_norms(g, qkv, layer)
+        # Gemma scales scores by query_pre_attn_scalar^-1/2; the others by GQA's default
+        scale = {"scale": a.query_pre_attn_scalar ** -0.5} if a.query_pre_attn_scalar else {}
         # zero rows after the new ones: attention never runs a single query row, so a token
         # gets the same bits alone as among others (see edgespec/engine.py); their KV lands
         # past the valid length, where the next call overwrites it
@@ -156,7 +177,7 @@ class Blocks:
                                     seqlens_k, total_len, cos, sin],
             outputs=[f"attn_{layer}", f"present_key.{layer}", f"present_value.{layer}"],
             domain=MS, num_heads=a.num_heads, kv_num_heads=a.num_kv_heads, do_rotary=1,
-            rotary_interleaved=0, local_window_size=self._window())
+            rotary_interleaved=0, local_window_size=self._window(layer), **scale)
         g.outputs += [helper.make_tensor_value_info(name, ONNX_DTYPE[g.dtype], kv_shape)
                       for name in (present_k, present_v)]
         unpadded = g.op("Slice", [out, g.weight("zero", np.array([0])),
@@ -164,39 +185,60 @@ class Blocks:
                                   g.weight("axis_1", np.array([1]))])
         return self.linear(g, unpadded, f"layers.{layer}.o", self.w[p + "o_proj.weight"])
 
-    def _window(self):
+    def sliding(self, layer) -> bool:
+        """Whether `layer` attends through the sliding window (Gemma: its local layers)."""
+        types = self.arch.layer_types
+        return self.arch.sliding_window > 0 and (not types or types[layer] == "sliding_attention")
+
+    def _window(self, layer):
         window = self.arch.sliding_window
-        return window if 0 < window < self.max_context else -1
+        return window if self.sliding(layer) and window < self.max_context else -1
 
     def mlp(self, g, x, layer):
         p = f"model.layers.{layer}.mlp."
         gate_up_w = np.concatenate([self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"]])
         gate, up = g.op("Split", [self.linear(g, x, f"layers.{layer}.gate_up", gate_up_w)],
                         n_out=2, axis=-1, num_outputs=2)
-        silu = g.op("QuickGelu", [gate], domain=MS, alpha=1.0)  # x * sigmoid(x) in one op
-        return self.linear(g, g.op("Mul", [silu, up]), f"layers.{layer}.down",
+        if self.arch.hidden_act == "gelu_tanh":  # GeGLU
+            act = g.op("Gelu", [gate], approximate="tanh")
+        else:
+            act = g.op("QuickGelu", [gate], domain=MS, alpha=1.0)  # x * sigmoid(x) in one op
+        return self.linear(g, g.op("Mul", [act, up]), f"layers.{layer}.down",
                            self.w[p + "down_proj.weight"])
 
     def layers(self, g, hidden, first, last, seqlens_k, total_len):
         """Decoder layers [first, last) on the residual stream; returns the new stream."""
-        cos, sin = (g.weight(name, table) for name, table in zip(("cos_cache", "sin_cache"),
-                                                                 self.rotary_tables(g.dtype)))
+        a, rotary = self.arch, {}
+        for layer in range(first, last):  # Gemma's local layers have a rotary base of their own
+            local = self.local_rope(layer)
+            if local not in rotary:
+                names = ("cos_cache_local", "sin_cache_local") if local else ("cos_cache", "sin_cache")
+                tables = self.rotary_tables(g.dtype, a.local_rope_theta if local else a.rope_theta)
+                rotary[local] = [g.weight(name, table) for name, table in zip(names, tables)]
         x = self.rms_norm(g, hidden, f"model.layers.{first}.input_layernorm")
         residual, mlp_out = hidden, None
         for layer in range(first, last):
+            p = f"model.layers.{layer}."
             if mlp_out is not None:
-                x, residual = self.skip_rms_norm(g, mlp_out, residual,
-                                                 f"model.layers.{layer}.input_layernorm")
-            attn = self.attention(g, x, layer, seqlens_k, total_len, cos, sin)
-            x, residual = self.skip_rms_norm(g, attn, residual,
-                                             f"model.layers.{layer}.post_attention_layernorm")
+                x, residual = self.skip_rms_norm(g, mlp_out, residual, p + "input_layernorm")
+            attn = self.attention(g, x, layer, seqlens_k, total_len, *rotary[self.local_rope(layer)])
+            if a.sandwich_norms:  # Gemma: norm after attention, then before and after the MLP
+                attn = self.rms_norm(g, attn, p + "post_attention_layernorm")
+            x, residual = self.skip_rms_norm(g, attn, residual, p + (
+                "pre_feedforward_layernorm" if a.sandwich_norms else "post_attention_layernorm"))
             mlp_out = self.mlp(g, x, layer)
+            if a.sandwich_norms:
+                mlp_out = self.rms_norm(g, mlp_out, p + "post_feedforward_layernorm")
             self.on_layer()
         return g.op("Add", [mlp_out, residual])
 
-    def rotary_tables(self, dtype):
+    def local_rope(self, layer) -> bool:
+        return bool(self.arch.local_rope_theta) and self.sliding(layer)
+
+    def rotary_tables(self, dtype, theta=None):
         a = self.arch
-        inv_freq = 1.0 / a.rope_theta ** (np.arange(0, a.head_dim, 2, dtype=np.float64) / a.head_dim)
+        theta = theta or a.rope_theta
+        inv_freq = 1.0 / theta ** (np.arange(0, a.head_dim, 2, dtype=np.float64) / a.head_dim)
         if a.rope_scaling.get("rope_type") == "llama3":
             inv_freq = llama3_inv_freq(inv_freq, a.rope_scaling)
         positions = np.arange(self.max_context + PAD_ROWS, dtype=np.float64)
@@ -214,6 +256,14 @@ class Blocks:
                 (f"{name}.rare", self.quantized(f"{name}.rare", rare, 4), 4)]
 
     def embedding(self, g, ids):
+        rows = self._embedding_rows(g, ids)
+        if not self.arch.embedding_scale:
+            return rows
+        # Gemma scales embeddings by sqrt(hidden), rounded to float32 as transformers does
+        scale = np.array(self.arch.embedding_scale, np.float32).astype(g.dtype)
+        return g.op("Mul", [rows, g.weight("embedding_scale", scale, cast=False)])
+
+    def _embedding_rows(self, g, ids):
         table = self.w["model.embed_tokens.weight"]
         if self.precision != "int4":
             return g.op("Gather", [g.weight("embed_tokens", table.astype(self.store)), ids], axis=0)

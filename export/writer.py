@@ -14,6 +14,7 @@ from onnx import TensorProto, numpy_helper
 from edgespec.artifact import FORMAT_VERSION, MANIFEST, sha256_file
 
 from .graph import ONNX_DTYPE
+from .progress import progress
 
 ALIGN = 4096  # page-aligned weights can be memory-mapped by ONNX Runtime
 
@@ -30,25 +31,33 @@ def _external(name, array, location, offset):
 def write_graphs(graphs, out: Path):
     """Write graph.onnx + graph.data for each graph; shared tensors are written once."""
     stored = {}  # tensor name -> (location, offset, array) of its only copy
-    for g in graphs:
-        location = f"{g.name}.data"
-        initializers = []
-        with open(out / location, "wb") as data:
-            for name, array in g.initializers.items():
-                if array.dtype == np.int64:  # shape constants stay inline for shape inference
-                    initializers.append(numpy_helper.from_array(array, name))
-                    continue
-                if name in stored:
-                    loc, offset, first = stored[name]
-                    if first.tobytes() != array.tobytes():
-                        raise ValueError(f"tensor {name} differs between graphs")
-                else:
-                    data.write(b"\0" * (-data.tell() % ALIGN))
-                    loc, offset = location, data.tell()
-                    data.write(array.tobytes())
-                    stored[name] = (loc, offset, array)
-                initializers.append(_external(name, array, loc, offset))
-        onnx.save_model(g.model(initializers), out / f"{g.name}.onnx")
+    total = sum(a.nbytes for g in graphs for a in g.initializers.values())
+    with progress(total, f"writing {', '.join(g.name for g in graphs)}", unit="B",
+                  unit_scale=True) as bar:
+        for g in graphs:
+            _write_graph(g, out, stored, bar)
+
+
+def _write_graph(g, out, stored, bar):
+    location = f"{g.name}.data"
+    initializers = []
+    with open(out / location, "wb") as data:
+        for name, array in g.initializers.items():
+            bar.update(array.nbytes)
+            if array.dtype == np.int64:  # shape constants stay inline for shape inference
+                initializers.append(numpy_helper.from_array(array, name))
+                continue
+            if name in stored:
+                loc, offset, first = stored[name]
+                if memoryview(first).cast("B") != memoryview(array).cast("B"):  # no copies
+                    raise ValueError(f"tensor {name} differs between graphs")
+            else:
+                data.write(b"\0" * (-data.tell() % ALIGN))
+                loc, offset = location, data.tell()
+                data.write(memoryview(array).cast("B"))
+                stored[name] = (loc, offset, array)
+            initializers.append(_external(name, array, loc, offset))
+    onnx.save_model(g.model(initializers), out / f"{g.name}.onnx")
 
 
 def write_tokenizer(source, out: Path):

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          PreTrainedTokenizerFast, Qwen2Config)
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -35,9 +36,14 @@ def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return fast
 
 
+GEMMA3_WINDOW = 8
+GEMMA3_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+
+
 def make_checkpoint(path: Path, arch: str = "llama", tie: bool = True, layers: int = 4,
                     seed: int = 0, max_positions: int = 512, rope: dict = None,
-                    intermediate_size: int = 128) -> Path:
+                    intermediate_size: int = 128, **config_overrides) -> Path:
     torch.manual_seed(seed)
     tokenizer = make_tokenizer(384)
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=intermediate_size,
@@ -45,7 +51,13 @@ def make_checkpoint(path: Path, arch: str = "llama", tie: bool = True, layers: i
                   max_position_embeddings=max_positions, rms_norm_eps=1e-5, tie_word_embeddings=tie,
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
                   rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0})
-    config = Qwen2Config(**common) if arch == "qwen2" else LlamaConfig(**common)
+    if arch == "gemma3":  # local layers with a small window, so tests cross it
+        gemma = dict(rope_parameters=GEMMA3_ROPE, head_dim=16, sliding_window=GEMMA3_WINDOW,
+                     query_pre_attn_scalar=24,
+                     layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+        config = Gemma3TextConfig(**{**common, **gemma, **config_overrides})
+    else:
+        config = (Qwen2Config if arch == "qwen2" else LlamaConfig)(**common, **config_overrides)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # random init is too tame to tell implementations apart: widen it
         for p in model.parameters():

@@ -54,7 +54,8 @@ def test_every_weight_is_stored_once(tiny_int4):
 
 @pytest.mark.parametrize("arch, tie, scheme, head_bits", [
     ("llama", True, "zp", 8), ("qwen2", False, "zp", 4), ("llama", True, "q4_1", 8),
-    ("llama", True, "q4_1", 4), ("llama", True, "zp", "mixed"), ("qwen2", False, "zp", "mixed")])
+    ("llama", True, "q4_1", 4), ("llama", True, "zp", "mixed"), ("qwen2", False, "zp", "mixed"),
+    ("gemma3", True, "zp", 8)])
 def test_int4_graphs_compute_exactly_the_dequantized_model(arch, tie, scheme, head_bits,
                                                            tmp_path, monkeypatch):
     # accuracy level 0 keeps activations in fp32, so only the weight layout is under test
@@ -142,7 +143,7 @@ def test_unsupported_architecture_is_named(tmp_path):
                                                         "architectures": ["GPT2LMHeadModel"]}))
     result = run_cli("export", checkpoint, "-o", tmp_path / "out")
     assert result.returncode != 0
-    assert "unsupported architecture gpt2; supported: llama, mistral, qwen2" in result.stderr
+    assert "unsupported architecture gpt2; supported: llama, mistral, qwen2, gemma3" in result.stderr
     assert "Traceback" not in result.stderr
 
 

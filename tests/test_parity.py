@@ -35,7 +35,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "rope_theta": 500000.0}
 
 
-@pytest.fixture(scope="module", params=["llama-tied", "qwen2-untied", "llama-tied-llama3rope"])
+@pytest.fixture(scope="module", params=["llama-tied", "qwen2-untied", "llama-tied-llama3rope",
+                                                 "gemma3-untied"])
 def checkpoint_and_artifact(request, tmp_path_factory):
     arch, tie, *rope = request.param.split("-")
     checkpoint = make_checkpoint(tmp_path_factory.mktemp(request.param), arch=arch,
