@@ -171,7 +171,7 @@ def test_other_paths_and_methods_are_4xx(keyed):
     assert get(keyed, "/../apps/server/server.py")[0] == 401  # not a file: the API's guard
     assert get(keyed, "/static/chat.js", bearer(KEY))[0] == 404
     status, head, _ = exchange(keyed, request_bytes(b"", method="DELETE", path="/v1/models"))
-    assert status == 405 and head["allow"] == "GET, POST"
+    assert status == 405 and head["allow"] == "GET, HEAD, POST"
 
 
 def test_head_gives_the_pages_headers_without_its_body(keyed):

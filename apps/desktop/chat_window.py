@@ -34,6 +34,7 @@ class ChatWindow:
         self.root, self.model, self.max_new_tokens = root, model, max_new_tokens
         self.options = options
         self.messages, self.pieces, self.busy = [], queue.Queue(), False
+        self.reply = []  # the text pieces of the last reply, as shown
         self.stopping = threading.Event()  # set by Stop, read by the worker between pieces
         root.title(f"edgespec - {model.artifact.path.name}")
         self.log = scrolledtext.ScrolledText(root, wrap="word", state="disabled", width=72,
@@ -62,6 +63,7 @@ class ChatWindow:
         self.entry.delete(0, "end")
         self._append(f"you: {text}\n", "user")
         self._append("assistant: ")
+        self.reply = []
         self.messages.append({"role": "user", "content": text})
         self.busy = True
         self.stopping.clear()
@@ -98,6 +100,7 @@ class ChatWindow:
             except queue.Empty:
                 break
             if isinstance(item, str):
+                self.reply.append(item)
                 self._append(item)
             else:
                 self._finish(item)
@@ -108,8 +111,9 @@ class ChatWindow:
         if isinstance(result, Exception):
             self.messages.pop()  # no reply: the next message must not follow it unanswered
             self.status.configure(text=f"error: {result} (that message was not kept)")
-        else:  # a stopped reply stays as far as it got, so the next turn answers what was shown
-            self.messages.append({"role": "assistant", "content": result.text})
+        else:  # a stopped reply stays as far as it was shown, so the next turn answers that
+            text = "".join(self.reply) if result.finish_reason == "cancelled" else result.text
+            self.messages.append({"role": "assistant", "content": text})
             self.status.configure(text=stats_line(result))
         self.busy = False
         self.send_button.configure(state="normal")

@@ -179,8 +179,8 @@ class Handler(BaseHTTPRequestHandler):
         of), the connection closed since a body may follow."""
         self.close_connection = True
         self._json(405, api.error_body(f"{self.command} is not served here; the API takes "
-                                       "GET and POST", "method_not_allowed"),
-                   {"Allow": "GET, POST", "Connection": "close"})
+                                       "GET, HEAD and POST", "method_not_allowed"),
+                   {"Allow": "GET, HEAD, POST", "Connection": "close"})
         linger(self.connection)
 
     do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _method_not_allowed
