@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from .errors import EdgespecError
+from .schedule import DRAFTERS
 
 
 def default_prompts() -> Path:
@@ -68,7 +69,23 @@ def bench_prompt(model, row, max_new_tokens, repeat=1, **draft) -> dict:
             "identical": all(g.tokens == plains[0].tokens for g in plains + specs),
             "acceptance": spec.stats["acceptance"],
             "tokens_per_round": spec.stats["tokens_per_round"],
+            "drafters": {name: {field: spec.stats[f"{name}_{field}"] for field in DRAFTER_FIELDS}
+                         for name in DRAFTERS},
             "time_shares": _shares(spec.stats)}
+
+
+DRAFTER_FIELDS = ("rounds", "drafted", "accepted")
+
+
+def drafter_line(results) -> str:
+    """What each drafter did over all prompts: rounds, accepted drafts a round, acceptance."""
+    parts = []
+    for name in DRAFTERS:
+        rounds, drafted, accepted = (sum(r["drafters"][name][f] for r in results)
+                                     for f in DRAFTER_FIELDS)
+        parts.append(f"{name} {rounds} rounds, {accepted / rounds if rounds else 0:.2f} "
+                     f"accepted/round ({accepted}/{drafted} drafts)")
+    return "per drafter, all prompts: " + "; ".join(parts)
 
 
 def _shares(stats) -> dict:

@@ -60,9 +60,11 @@ class SpecStats:
     rounds: int = 0          # verify rounds, plain steps included
     drafted: int = 0
     accepted: int = 0
-    exit_drafted: int = 0    # by drafter: early exit ...
+    exit_rounds: int = 0     # by drafter: early exit ...
+    exit_drafted: int = 0
     exit_accepted: int = 0
-    lookup_drafted: int = 0  # ... and prompt lookup
+    lookup_rounds: int = 0   # ... and prompt lookup
+    lookup_drafted: int = 0
     lookup_accepted: int = 0
     plain_steps: int = 0     # rounds without drafts (nothing to draft, or paused)
     draft_s: float = 0.0     # lower runs
@@ -98,7 +100,7 @@ class SpecStats:
                          for name in ("draft", "verify", "head", "sampling"))
         by_drafter = ", ".join(
             f"{name} {getattr(self, name + '_accepted')}/{getattr(self, name + '_drafted')}"
-            for name in DRAFTERS)
+            f" in {getattr(self, name + '_rounds')} rounds" for name in DRAFTERS)
         return (f"accepted {self.accepted}/{self.drafted} ({100 * self.acceptance:.1f}%; "
                 f"{by_drafter}; {self.plain_steps} plain steps), "
                 f"{self.tokens_per_round:.1f} tokens/round, {share}")
@@ -232,8 +234,9 @@ class SpeculativeDecoder:
         if not drafted:
             stats.plain_steps += 1
             return
-        setattr(stats, f"{drafter}_drafted", getattr(stats, f"{drafter}_drafted") + drafted)
-        setattr(stats, f"{drafter}_accepted", getattr(stats, f"{drafter}_accepted") + accepted)
+        for field, value in (("rounds", 1), ("drafted", drafted), ("accepted", accepted)):
+            name = f"{drafter}_{field}"
+            setattr(stats, name, getattr(stats, name) + value)
 
 
 def _top_probability(logits) -> float:

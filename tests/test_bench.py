@@ -9,7 +9,7 @@ from edgespec.bench import load_prompts
 from edgespec.errors import EdgespecError
 
 PROMPT_FIELDS = {"question_id", "category", "plain_tokens_per_s", "spec_tokens_per_s",
-                 "speedup", "identical", "acceptance", "tokens_per_round", "runs"}
+                 "speedup", "identical", "acceptance", "tokens_per_round", "runs", "drafters"}
 
 
 def test_bench_writes_table_json_and_plot(tiny_int4, tmp_path):
@@ -28,6 +28,11 @@ def test_bench_writes_table_json_and_plot(tiny_int4, tmp_path):
     costs = report["round_ms"]  # JSON keys are strings
     assert sorted(map(int, costs)) == [1, 2, 3, 4, 6, 8] and all(ms > 0 for ms in costs.values())
     assert "round cost by rows (ms; x a plain step): 1: " in result.stdout
+    # the drafter line adds up the prompts' own counts
+    exits = [p["drafters"]["exit"] for p in report["prompts"]]
+    assert f"exit {sum(e['rounds'] for e in exits)} rounds" in result.stdout
+    assert f"({sum(e['accepted'] for e in exits)}/{sum(e['drafted'] for e in exits)} drafts)" \
+        in result.stdout
 
 
 def test_round_costs_leave_the_cache_empty_and_the_model_deterministic(tiny_int4):

@@ -186,6 +186,7 @@ def test_statistics_count_rounds_drafts_and_acceptance(tiny_model):
     assert (stats.rounds, stats.drafted, stats.accepted) == (len(rounds), drafted, sum(accepted))
     assert (stats.exit_drafted, stats.exit_accepted, stats.lookup_drafted) == \
         (drafted, sum(accepted), 0)
+    assert (stats.exit_rounds, stats.lookup_rounds) == (sum(bool(d) for d in drafts), 0)
     assert stats.plain_steps == sum(not d for d in drafts)
     assert stats.acceptance == pytest.approx(sum(accepted) / drafted)
     assert stats.tokens_per_round == pytest.approx((30 - len(first)) / len(rounds))
