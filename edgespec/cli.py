@@ -197,6 +197,7 @@ def _bench(args):
     print(f"{args.artifact}: exit layer {model.artifact.exit_layer}, {_policy_line(policy)}, "
           f"{args.max_new_tokens} new tokens, greedy")
     print(bench.table(summaries))
+    print(bench.drafter_line(results))
     print(bench.cost_line(costs))
     if args.json:
         settings = {"artifact": str(args.artifact), "exit_layer": model.artifact.exit_layer,
