@@ -1,6 +1,7 @@
 """`edgespec export`: source model -> quantized lower/upper/head artifact directory."""
 import shutil
 import time
+from collections import ChainMap
 from pathlib import Path
 
 import numpy as np
@@ -97,7 +98,10 @@ def export_model(model=None, out=None, exit_layer=None, precision="int4", max_co
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:  # an error or Ctrl-C leaves no half-written artifact behind
-        blocks = Blocks(arch, source.weights, precision, max_context, int4_scheme, head_bits)
+        # a ChainMap: the exit adapter's weights join the model's without writing into them
+        # (a GGUF's are read-only, dequantized on lookup)
+        blocks = Blocks(arch, ChainMap({}, source.weights), precision, max_context, int4_scheme,
+                        head_bits)
         artifact = ArtifactBuilder(source, blocks, partial, dtype, {
             "source": {"model": source.origin, "sha256": source.sha256},
             "architecture": arch.to_dict(),
