@@ -79,24 +79,30 @@ class Blocks:
         self.arch, self.w, self.precision, self.max_context = arch, weights, precision, max_context
         self.int4_scheme, self.head_bits = int4_scheme, head_bits
         self.store = np.float16 if precision == "fp16" else np.float32
+        # MatMulNBits weights: 4 bits (int4) or 8 (int8: every linear layer and the table)
+        self.nbits = {"int4": 4, "int8": 8}.get(precision)
         self.on_layer = lambda: None  # progress callback, once per layer built
         self._quantized = {}  # (name, bits, weight digest) -> quantized weight
+
+    def release(self):
+        """Forget the quantized weights kept for rebuilding graphs."""
+        self._quantized.clear()
 
     def linear(self, g, x, name, w, bias=None):
         """x @ w.T (+ bias); w is [out, in] as in Hugging Face checkpoints."""
         n, k = w.shape
-        if self.precision != "int4":
+        if not self.nbits:
             y = g.op("MatMul", [x, g.weight(f"{name}.weight", w.T.astype(self.store))])
             if bias is not None:
                 y = g.op("Add", [y, g.weight(f"{name}.bias", bias.astype(self.store))])
             return y
-        q = self.quantized(name, w, 4)
+        q = self.quantized(name, w, self.nbits)
         inputs = [x, *self.nbits_inputs(g, name, q)]
         if bias is not None:
             inputs += ["", g.weight(f"{name}.bias", bias.astype(g.dtype))]
-        y = g.op("MatMulNBits", inputs, domain=MS, K=k, N=n, bits=4, block_size=BLOCK,
+        y = g.op("MatMulNBits", inputs, domain=MS, K=k, N=n, bits=self.nbits, block_size=BLOCK,
                  accuracy_level=ACCURACY_LEVEL)
-        if q.offsets is None:
+        if getattr(q, "offsets", None) is None:  # only q4_1 has offsets
             return y
         # q4_1: stored [N, blocks] like the scales; the Transpose is folded when ORT loads
         offsets = g.op("Transpose", [g.weight(f"{name}.offsets", q.offsets.astype(g.dtype))])
@@ -265,7 +271,7 @@ class Blocks:
 
     def _embedding_rows(self, g, ids):
         table = self.w["model.embed_tokens.weight"]
-        if self.precision != "int4":
+        if not self.nbits:
             return g.op("Gather", [g.weight("embed_tokens", table.astype(self.store)), ids], axis=0)
         parts = self.vocab_parts("embed_tokens", table)
         if len(parts) == 1:
@@ -297,7 +303,7 @@ class Blocks:
         table = self.w["model.embed_tokens.weight" if tied else "lm_head.weight"]
         if vocab is not None:
             name, table = "draft_head", table[vocab]
-        if self.precision == "int4":
+        if self.nbits:
             logits = [g.op("MatMulNBits", [x, *self.nbits_inputs(g, part, q)], domain=MS,
                            K=table.shape[1], N=q.packed.shape[0], bits=bits,
                            block_size=BLOCK, accuracy_level=ACCURACY_LEVEL)

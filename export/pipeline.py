@@ -1,4 +1,5 @@
 """`edgespec export`: source model -> quantized lower/upper/head artifact directory."""
+import ctypes
 import shutil
 import time
 from collections import ChainMap
@@ -19,7 +20,7 @@ from .quantize import BLOCK, INT4_SCHEMES
 from .source import load_source
 from .writer import write_graphs, write_manifest, write_tokenizer
 
-PRECISIONS = ("int4", "fp16", "fp32")
+PRECISIONS = ("int4", "int8", "fp16", "fp32")
 HEAD_BITS = (8, 4, "mixed")
 DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_ADAPTER_MINUTES = 8.0
@@ -45,12 +46,12 @@ def check_formats(precision, device, int4_scheme, head_bits):
 
 
 def check_options(arch, exit_layer, max_context, precision):
-    if precision == "int4":
+    if precision in ("int4", "int8"):
         inputs = {"hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
                   "num_heads * head_dim": arch.num_heads * arch.head_dim}
         for name, size in inputs.items():
             if size % BLOCK:
-                raise EdgespecError(f"int4 needs layer inputs in blocks of {BLOCK}, but the "
+                raise EdgespecError(f"{precision} needs layer inputs in blocks of {BLOCK}, but the "
                                     f"model's {name} is {size}; export with --precision fp16")
     if not 1 <= exit_layer < arch.num_layers:
         raise EdgespecError(f"exit layer {exit_layer} is out of range; the model has "
@@ -98,6 +99,8 @@ def export_model(model=None, out=None, exit_layer=None, precision="int4", max_co
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:  # an error or Ctrl-C leaves no half-written artifact behind
+        if precision == "int8":  # the vocabulary table too
+            head_bits = 8
         # a ChainMap: the exit adapter's weights join the model's without writing into them
         # (a GGUF's are read-only, dequantized on lookup)
         blocks = Blocks(arch, ChainMap({}, source.weights), precision, max_context, int4_scheme,
@@ -122,8 +125,8 @@ def export_model(model=None, out=None, exit_layer=None, precision="int4", max_co
         else:
             calibrate_draft(artifact, exit_layer, auto, adapter, shortlist, calibrate,
                             adapter_minutes, save_adapter, log)
-        log("measuring quality against the full-precision model (built now, "
-            f"{_float32_gb(source):.1f} GB) ...")
+        artifact.release()
+        log("measuring quality against the full-precision model ...")
         artifact.fields["quality"] = quality.measure(source, partial, max_context)
         manifest = artifact.finish(time.perf_counter() - start)
     except BaseException:
@@ -174,9 +177,24 @@ class ArtifactBuilder:
         self.fields.update(exit_layer=exit_layer, draft=draft)
         return write_manifest(self.out, {**self.fields, **self.extra})
 
+    def release(self):
+        """Drop the built graphs and quantized weights: they are on disk now."""
+        self.graphs, self.exit_layer = [], None
+        self.blocks.release()
+        _return_freed_memory()
+
     def finish(self, seconds):
         self.fields["build"]["seconds"] = round(seconds, 1)
         return write_manifest(self.out, {**self.fields, **self.extra})
+
+
+def _return_freed_memory():
+    """Give the heap's freed pages back to the system (glibc keeps them otherwise, and the
+    quality gate's reference model would come on top)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _tensor_types(source) -> str:
@@ -184,14 +202,6 @@ def _tensor_types(source) -> str:
     if gguf is None:
         return ""
     return "; GGUF tensors " + ", ".join(f"{kind} {n}" for kind, n in gguf.type_counts().items())
-
-
-def _float32_gb(source) -> float:
-    a = source.arch
-    layer = (a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
-             + a.num_heads * a.head_dim * a.hidden_size + 3 * a.hidden_size * a.intermediate_size)
-    tables = a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)
-    return 4 * (a.num_layers * layer + tables) / 1e9
 
 
 def _summary(out, manifest, seconds, log):

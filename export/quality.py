@@ -13,8 +13,11 @@ QUALITY_TEXT = Path(__file__).parent / "data" / "quality.txt"
 
 
 def passage_ids(tokenizer) -> list:
-    """The passage as token ids (no chat template: plain text)."""
-    return tokenizer.encode(QUALITY_TEXT.read_text(), add_special_tokens=False)
+    """The passage as token ids (no chat template: plain text), after the BOS token for
+    models whose tokenizer adds one (Gemma is lost without it)."""
+    ids = tokenizer.encode(QUALITY_TEXT.read_text(), add_special_tokens=False)
+    bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos_token", False) else None
+    return ids if bos is None else [bos] + ids
 
 
 def reference_logits(torch_model, ids) -> np.ndarray:
@@ -58,4 +61,5 @@ def measure(source, path, max_context) -> dict:
     """The gate's numbers for the artifact at `path`, made from `source` (export's model);
     the passage is cut to the artifact's context."""
     ids = passage_ids(source.tokenizer)[:max_context]
-    return compare(reference_logits(source.torch_model, ids), artifact_logits(path, ids), ids)
+    reference = reference_logits(source.streamed_reference(), ids)
+    return compare(reference, artifact_logits(path, ids), ids)

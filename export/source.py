@@ -66,6 +66,14 @@ class SourceModel:
     eos_token_ids: list
     bos_token_id: int = None
     build_reference: object = None  # () -> the full-precision transformers model
+    # () -> the same model holding one decoder layer's weights at a time (GGUF sources)
+    build_streamed_reference: object = None
+
+    def streamed_reference(self):
+        """The reference model for one pass over a text: streamed where the source allows."""
+        if self.build_streamed_reference is None or getattr(self, "_torch_model", None):
+            return self.torch_model
+        return self.build_streamed_reference()
 
     @property
     def torch_model(self):
@@ -219,18 +227,47 @@ def _load_gguf(path, model, name) -> SourceModel:
     return SourceModel(name=name, origin=str(model) if model else f"bundled:{path.name}",
                        sha256=_sha256_files([path]), arch=arch, weights=weights,
                        tokenizer=tokenizer, chat_template=template, eos_token_ids=eos,
-                       bos_token_id=bos, build_reference=lambda: reference_model(arch, weights))
+                       bos_token_id=bos, build_reference=lambda: reference_model(arch, weights),
+                       build_streamed_reference=lambda: reference_model(arch, weights, True))
 
 
-def reference_model(arch: Architecture, weights):
-    """The transformers model of `arch` in float32, its parameters taken from `weights`."""
+def reference_model(arch: Architecture, weights, streamed=False):
+    """The transformers model of `arch` in float32, its parameters taken from `weights`.
+
+    streamed: only the embedding, final norm and lm_head are loaded; each decoder layer
+    reads its weights just before it runs and drops them after, so a forward pass holds
+    one layer in float32, not the model (the layers' own tensors are allocated but never
+    written, so they take no memory)."""
     import torch
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32)
+    from transformers.initialization import no_init_weights
+    with no_init_weights():  # every parameter is overwritten below
+        model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32)
     with torch.no_grad():
-        for name, param in model.named_parameters():  # tied tables appear once
-            param.data = torch.from_numpy(weights[name])
+        for name, param in model.named_parameters():
+            if name == "lm_head.weight" and arch.tie_word_embeddings:
+                continue  # tied below (no_init_weights skips the tying)
+            if not (streamed and name.startswith("model.layers.")):
+                param.data = torch.from_numpy(weights[name])
+    if arch.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if streamed:
+        for i, layer in enumerate(model.model.layers):
+            layer.register_forward_pre_hook(lambda module, args, i=i: _load_layer(module, i, weights))
+            layer.register_forward_hook(lambda module, args, out: _drop_layer(module))
     return model.eval()
+
+
+def _load_layer(layer, i, weights):
+    import torch
+    for name, param in layer.named_parameters():
+        param.data = torch.from_numpy(weights[f"model.layers.{i}.{name}"])
+
+
+def _drop_layer(layer):
+    import torch
+    for param in layer.parameters():
+        param.data = torch.empty(0)
 
 
 def hf_config(arch: Architecture):

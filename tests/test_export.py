@@ -55,15 +55,17 @@ def test_every_weight_is_stored_once(tiny_int4):
 @pytest.mark.parametrize("arch, tie, scheme, head_bits", [
     ("llama", True, "zp", 8), ("qwen2", False, "zp", 4), ("llama", True, "q4_1", 8),
     ("llama", True, "q4_1", 4), ("llama", True, "zp", "mixed"), ("qwen2", False, "zp", "mixed"),
-    ("gemma3", True, "zp", 8)])
+    ("gemma3", True, "zp", 8), ("gemma3", True, "int8", 8), ("qwen2", False, "int8", 8)])
 def test_int4_graphs_compute_exactly_the_dequantized_model(arch, tie, scheme, head_bits,
                                                            tmp_path, monkeypatch):
-    # accuracy level 0 keeps activations in fp32, so only the weight layout is under test
+    # accuracy level 0 keeps activations in fp32, so only the weight layout is under test;
+    # scheme "int8" is --precision int8: every linear layer and the table at 8 bits
     monkeypatch.setattr(export.graph, "ACCURACY_LEVEL", 0)
     monkeypatch.setattr(export.graph, "FREQUENT_TOKENS", 100)  # mixed: ids 0..99 at 8 bits
     checkpoint = make_checkpoint(tmp_path / "ckpt", arch=arch, tie=tie)
-    export_model(str(checkpoint), tmp_path / "a", precision="int4", int4_scheme=scheme,
-                 head_bits=head_bits, log=quiet)
+    precision = "int8" if scheme == "int8" else "int4"
+    export_model(str(checkpoint), tmp_path / "a", precision=precision,
+                 int4_scheme="zp" if scheme == "int8" else scheme, head_bits=head_bits, log=quiet)
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     ids = [int(t) for t in np.random.default_rng(2).integers(5, 300, 20)]
     with torch.no_grad():
@@ -73,6 +75,8 @@ def test_int4_graphs_compute_exactly_the_dequantized_model(arch, tie, scheme, he
             w = p.numpy()
             if "embed" in name or "lm_head" in name:  # the vocabulary table: head_bits
                 w = vocab_table(w, head_bits, frequent=100)
+            elif scheme == "int8":
+                w = dequantize_int8(quantize_int8(w))
             else:
                 w = dequantize_int4(quantize_int4(w, scheme))
             p.copy_(torch.from_numpy(w))

@@ -1,0 +1,96 @@
+"""Integration on the real GGUF models of issue 13, when their files are present.
+
+Fetch them with `benchmarks/fetch_models.sh` (into models/sources/, which git ignores);
+without them every test here skips and says which file is missing. Each model is exported
+once (int4, a fixed exit layer, no calibration) and checked: the file's tensors dequantize
+as the gguf package does, the artifact follows the full-precision model on export's quality
+passage, a chat reply is on topic, and greedy speculative decoding equals plain.
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import quiet
+
+import edgespec
+
+pytestmark = pytest.mark.models
+
+SOURCES = Path(__file__).resolve().parent.parent / "models" / "sources"
+
+# name: (file, fetch_models.sh argument, precision, exit layer, least top-1 agreement, a
+# prompt ("raw:" text for base models: the Gemma 3 270M here is the pretrained one), a word
+# its reply must hold)
+MODELS = {
+    "qwen2.5-coder-0.5b": ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "qwen0.5b", "int4", 18,
+                           0.80, "Write a Python function that reverses a string.", "def "),
+    "gemma3-270m": ("gemma-3-270m-q4_k_m.gguf", "gemma3-270m", "int8", 13, 0.95,
+                    "raw:The capital of France is Paris. The capital of Italy is", "Rome"),
+    "qwen2.5-coder-1.5b": ("qwen2.5-coder-1.5b.gguf", "qwen1.5b", "int4", 21, 0.80,
+                           "Write a Python function that reverses a string.", "def "),
+}
+
+
+def source_file(name) -> Path:
+    file, fetch = MODELS[name][:2]
+    path = SOURCES / file
+    if not path.is_file():
+        pytest.skip(f"{path} is absent: run `benchmarks/fetch_models.sh {fetch}` to fetch it")
+    return path
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request, tmp_path_factory):
+    """(name, artifact path) of each model present, exported once."""
+    from export.pipeline import export_model
+    path = source_file(request.param)
+    out = tmp_path_factory.mktemp("models") / request.param
+    precision, exit_layer = MODELS[request.param][2:4]
+    export_model(str(path), out, precision=precision, exit_layer=exit_layer, max_context=1024,
+                 log=quiet)
+    return request.param, out
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_tensor_type_in_the_file_dequantizes_as_the_gguf_package_does(name):
+    import gguf
+    from export.gguf import GGUFFile
+    path = source_file(name)
+    header, reader = GGUFFile(path), gguf.GGUFReader(path)
+    smallest = {}  # one tensor of each type, the smallest, to keep this quick
+    for tensor in reader.tensors:
+        kind = int(tensor.tensor_type)
+        if kind not in smallest or tensor.n_bytes < smallest[kind].n_bytes:
+            smallest[kind] = tensor
+    for kind, tensor in smallest.items():
+        want = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        got = header.array(tensor.name)
+        assert np.array_equal(got.view(np.uint32), want.reshape(got.shape).view(np.uint32)), \
+            f"{tensor.name} ({tensor.tensor_type.name})"
+
+
+def test_artifact_follows_the_full_precision_model_on_the_quality_passage(model):
+    name, artifact = model
+    quality = json.loads((artifact / "manifest.json").read_text())["quality"]
+    assert quality["top1_agreement"] >= MODELS[name][4], quality
+
+
+def test_reply_is_on_topic(model):
+    name, artifact = model
+    prompt, word = MODELS[name][5:]
+    raw = prompt.startswith("raw:")  # plain text for a base model, else one chat turn
+    reply = edgespec.load(artifact).generate(prompt.removeprefix("raw:"), max_new_tokens=48,
+                                             raw=raw)
+    assert word in reply.text, reply.text
+
+
+def test_speculative_greedy_equals_plain_on_dev_prompts(model):
+    from edgespec.bench import load_prompts
+    _, artifact = model
+    loaded = edgespec.load(artifact)
+    for row, k in zip(load_prompts(per_category=1)[:6], [2, 4, 6, 3, 5, 1]):
+        ids = loaded.encode(row["turns"][0])
+        plain = loaded.generate_ids(ids, 96, mode="plain")
+        spec = loaded.generate_ids(ids, 96, draft_k=k)
+        assert spec.tokens == plain.tokens, f"prompt {row['question_id']} ({row['category']}), k {k}"
