@@ -174,7 +174,7 @@ def main():
         return genai_quality(args.artifact, args.genai)
     modes = args.modes.split(",")
     ours = Edgespec(args.artifact, args.threads)
-    genai = Genai(args.genai, args.threads, Path(args.artifact).parent / "peers" / "genai-run")
+    genai = Genai(args.genai, args.threads, Path(args.genai).with_name(Path(args.genai).name + "-run"))
     engines = {"plain": (ours, False), "spec": (ours, True), "genai": (genai, False),
                "genai-ngram": (genai, True)}
     prompts = pick_prompts(args.prompts, args.per_category)
