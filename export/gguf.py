@@ -21,6 +21,8 @@ GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 GEMMA3_SLIDING_PATTERN = 6  # every sixth layer attends globally
 GEMMA3_END_OF_TURN = "<end_of_turn>"
+# Gemma 3 GGUFs carry no chat template; this is the model's own (Google's, text only)
+GEMMA3_CHAT_TEMPLATE = Path(__file__).parent / "data" / "gemma3_chat_template.jinja"
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}
@@ -215,9 +217,6 @@ def architecture(gguf: GGUFFile):
             layer_types=["full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0
                          else "sliding_attention" for i in range(layers)])
     return Architecture(**fields)
-
-
-GEMMA3_CHAT_TEMPLATE = (Path(__file__).parent / "data" / "gemma3_chat_template.jinja")
 
 
 def tokenizer(gguf: GGUFFile):

@@ -100,9 +100,9 @@ def architecture_from_config(config) -> Architecture:
         raise EdgespecError(f"unsupported architecture {config.model_type}; "
                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", "silu")
-    act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(act)
-    if act != ("gelu_tanh" if model_type == "gemma3" else "silu"):
-        raise EdgespecError(f"unsupported activation {config.hidden_act} for {model_type}")
+    if {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(act) != (
+            "gelu_tanh" if model_type == "gemma3" else "silu"):
+        raise EdgespecError(f"unsupported activation {act} for {model_type}")
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, cap, None):
             raise EdgespecError(f"unsupported {cap} {getattr(config, cap)}; supported: none")
