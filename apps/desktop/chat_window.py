@@ -93,12 +93,11 @@ class ChatWindow:
             self.pieces.put(e)
 
     def _poll(self):
-        """On the Tk thread: show what the worker produced since the last poll."""
-        while True:
-            try:
-                item = self.pieces.get_nowait()
-            except queue.Empty:
-                break
+        """On the Tk thread: show what the worker produced since the last poll. Only what
+        was queued when the poll began: a worker faster than the drawing would otherwise
+        keep this loop going to the end of the reply, and Stop could not be pressed."""
+        for _ in range(self.pieces.qsize()):
+            item = self.pieces.get_nowait()
             if isinstance(item, str):
                 self.reply.append(item)
                 self._append(item)
