@@ -73,8 +73,9 @@ def _export_args(sub, common):
     p.add_argument("--head-bits", default="mixed", choices=(8, 4, "mixed"),
                    type=lambda v: int(v) if v.isdigit() else v,
                    help="bits of the int4 artifact's vocabulary table, the embedding and "
-                   "lm_head: mixed (default): the 8192 most used token ids at 8 bits, the "
-                   "rest at 4, reads 36%% fewer bytes than 8 at nearly its quality; 8; 4 "
+                   "lm_head: mixed (default): the first 8192 token ids (in BPE vocabularies "
+                   "the most used) at 8 bits, the rest at 4 (SmolLM2: 36%% fewer bytes than "
+                   "8 at nearly its quality); 8; 4 "
                    "(zero points), the fastest, agrees less with the full model")
     p.add_argument("--max-context", type=int, default=None,
                    help="tokens the KV cache holds (default: min(4096, the model's limit))")
