@@ -1,8 +1,15 @@
 """Logits to tokens: repetition penalty, temperature, top-k, top-p, min-p, seeded draws.
 
 `distribution` is the single definition of "the model's distribution at a position given its
-history"; greedy decoding takes its argmax, sampling draws from it, and speculative sampling
-compares the draft's and the verifier's versions of it.
+history"; greedy decoding takes its argmax, sampling draws from it.
+
+A draw is an exponential race: token = argmax p_i / E_i, with E_i ~ Exp(1) drawn for the
+position (seed, position) alone, which samples exactly from p. Because the noise belongs to
+the position and not to the order of calls, a draft sampled with the draft's distribution
+and checked against the verifier's choice at the same position is accepted exactly when the
+verifier would have drawn it: speculative sampling then emits token for token what plain
+sampling with the same seed emits, whatever was drafted, and the scheduler's timing-driven
+choices cannot change a seeded reply.
 """
 from dataclasses import dataclass
 
@@ -86,14 +93,31 @@ def _nucleus(p: np.ndarray, top_p: float, candidates: int = 2048) -> np.ndarray:
 
 
 class Sampler:
-    """Chooses the next token; greedy is the argmax of the penalized logits."""
+    """Chooses the token at position len(history); greedy is the argmax of the penalized
+    logits, sampling an exponential race with the position's own noise."""
+
+    NOISE_KEPT = 32  # positions whose noise is kept (a round's drafts and verify rows)
 
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.rng = np.random.default_rng(params.seed)
+        self.seed = params.seed if params.seed is not None else \
+            int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1)
+        self.noise_by_position = {}
 
     def __call__(self, logits: np.ndarray, history) -> int:
         if self.params.greedy:
             return int(np.argmax(penalize(logits, history, self.params.repetition_penalty)))
         p = distribution(logits, history, self.params)
-        return int(self.rng.choice(p.size, p=p))
+        support = np.flatnonzero(p)
+        race = p[support] / self.noise(len(history), p.size)[support]
+        return int(support[np.argmax(race)])
+
+    def noise(self, position: int, size: int) -> np.ndarray:
+        """Exp(1) per token id, a function of (seed, position) only."""
+        noise = self.noise_by_position.get(position)
+        if noise is None or noise.size != size:
+            if len(self.noise_by_position) >= self.NOISE_KEPT:
+                self.noise_by_position.clear()
+            noise = np.random.default_rng([self.seed, position]).standard_exponential(size)
+            self.noise_by_position[position] = noise
+        return noise

@@ -7,10 +7,10 @@ One round, starting with the last committed token t (not yet in any cache):
              on t and all its drafts. A round may also draft nothing: a plain step.
 2. verify:   upper on the exit states of t, d_1..d_n (one call), head on its rows: the
              verifier's distribution after t and after every draft, the last one the bonus.
-3. accept:   greedy, the longest prefix where the verifier chooses the draft; sampling, the
-             speculative-sampling rule (keeps the verifier's distribution exactly; a lookup
-             draft is a point mass). Then the verifier's own token: the correction at the
-             first rejection, or the bonus.
+3. accept:   the longest prefix where the verifier chooses the draft, then the verifier's
+             own token: the correction at the first mismatch, or the bonus. Greedy chooses
+             the argmax, sampling races with the position's own noise (sampling.py), so the
+             committed tokens are exactly those plain decoding commits, greedy or seeded.
 4. roll back: both caches keep t and the accepted drafts. Nothing is copied.
 The scheduler (never slower) picks the drafter and k each round from measured speed.
 """
@@ -22,7 +22,7 @@ import numpy as np
 from .engine import Engine
 from .errors import EdgespecError
 from .lookup import PromptLookup
-from .sampling import SamplingParams, distribution, penalize
+from .sampling import Sampler, SamplingParams
 from .schedule import DRAFTERS, Scheduler
 
 
@@ -127,33 +127,25 @@ class SpeculativeDecoder:
     def __init__(self, engine: Engine, params: SamplingParams, policy: DraftPolicy,
                  stats: SpecStats, scheduler: Scheduler = None):
         """scheduler: one kept from earlier generations with the same policy (else new)."""
-        self.engine, self.params, self.policy, self.stats = engine, params, policy, stats
-        self.rng = np.random.default_rng(params.seed)
+        self.engine, self.policy, self.stats = engine, policy, stats
+        self.sampler = Sampler(params)
         self.lookup = PromptLookup()
         self.scheduler = scheduler or new_scheduler(policy)
         self.scheduler.new_text()
 
-    def choose(self, logits, history, pending=()):
-        """(token, its distribution or None when greedy) from logits at one position whose
-        history is history + pending (joined only when a penalty or sampling reads it)."""
-        if self.params.greedy and self.params.repetition_penalty == 1.0:
-            return int(np.argmax(logits)), None
-        seen = history + list(pending) if pending else history
-        if self.params.greedy:
-            return int(np.argmax(penalize(logits, seen, self.params.repetition_penalty))), None
-        p = distribution(logits, seen, self.params)
-        return int(self.rng.choice(p.size, p=p)), p
+    def choose(self, logits, history, pending=()) -> int:
+        """The token at the position after history + pending."""
+        return self.sampler(logits, history + list(pending) if pending else history)
 
     def draft(self, token, history, budget, timer):
-        """Feed `token`, then propose up to `budget` drafts; (drafter, drafts, their
-        distributions: None for greedy and for lookup's point masses)."""
-        engine, drafts, dists = self.engine, [], []
+        """Feed `token`, then propose up to `budget` drafts; (drafter, drafts)."""
+        engine, drafts = self.engine, []
         k = self.scheduler.k("lookup", budget)
         proposal = self.lookup.propose(history, k) if k else []
         if proposal:
             engine.lower([token] + proposal)
             timer.charge("draft_s")
-            return "lookup", proposal, [None] * len(proposal)
+            return "lookup", proposal
         engine.lower([token])
         timer.charge("draft_s")
         k = self.scheduler.k("exit", budget)
@@ -162,15 +154,14 @@ class SpeculativeDecoder:
             timer.charge("head_s")
             if self.policy.threshold and _top_probability(logits) < self.policy.threshold:
                 break
-            d, q = self.choose(logits, history, drafts)
+            d = self.choose(logits, history, drafts)
             drafts.append(d)
-            dists.append(q)
             timer.charge("sampling_s")
             engine.lower([d])
             timer.charge("draft_s")
         # a round the gate stopped before any draft still paid for the draft head: the
         # early exit's account, not plain decoding's
-        return ("exit" if k else None), drafts, dists
+        return ("exit" if k else None), drafts
 
     def verify(self, n_drafts, timer):
         """Verifier logits after the round's first token and after each draft (n + 1 rows)."""
@@ -180,30 +171,19 @@ class SpeculativeDecoder:
         timer.charge("head_s")
         return logits
 
-    def accept(self, drafts, dists, logits, history):
+    def accept(self, drafts, logits, history):
         """The committed tokens of the round: accepted drafts, then the verifier's token."""
         for i, d in enumerate(drafts):
-            if self.params.greedy:
-                target, _ = self.choose(logits[i], history, drafts[:i])
-                if target != d:
-                    return drafts[:i] + [target]
-                continue
-            p, q = distribution(logits[i], history + drafts[:i], self.params), dists[i]
-            q_d = 1.0 if q is None else q[d]  # a lookup draft is certain: q is a point mass
-            if self.rng.random() * q_d >= p[d]:  # reject with probability 1 - min(1, p/q)
-                if q is None:
-                    residual = p.copy()
-                    residual[d] = 0.0
-                else:
-                    residual = np.maximum(p - q, 0.0)
-                return drafts[:i] + [int(self.rng.choice(p.size, p=residual / residual.sum()))]
-        return drafts + [self.choose(logits[len(drafts)], history, drafts)[0]]
+            target = self.choose(logits[i], history, drafts[:i])
+            if target != d:
+                return drafts[:i] + [target]
+        return drafts + [self.choose(logits[len(drafts)], history, drafts)]
 
     def rounds(self, first_logits, history: list, max_new_tokens: int):
         """Yield lists of committed tokens, one list per round (the first from prefill)."""
         engine, stats = self.engine, self.stats
         timer = _Timer(stats)
-        first, _ = self.choose(first_logits, history)
+        first = self.choose(first_logits, history)
         timer.charge("sampling_s")
         history.append(first)
         yield [first]
@@ -214,9 +194,9 @@ class SpeculativeDecoder:
             room = engine.max_context - len(history)  # positions left after the token fed
             budget = max(0, min(max_new_tokens - produced - 1, room))
             base = engine.lower_len
-            drafter, drafts, dists = self.draft(history[-1], history, budget, timer)
+            drafter, drafts = self.draft(history[-1], history, budget, timer)
             logits = self.verify(len(drafts), timer)
-            committed = self.accept(drafts, dists, logits, history)
+            committed = self.accept(drafts, logits, history)
             timer.charge("sampling_s")
             engine.rollback(base + len(committed))
             self._count(drafter, len(drafts), len(committed) - 1)

@@ -43,15 +43,31 @@ def test_repetition_penalty_lowers_tokens_already_seen():
     assert Sampler(SamplingParams(repetition_penalty=10.0))(LOGITS, [0]) == 1
 
 
-def test_the_same_seed_draws_the_same_tokens():
+def test_a_draw_depends_on_the_seed_and_the_position_only():
     first, second = Sampler(SamplingParams(1.0, seed=7)), Sampler(SamplingParams(1.0, seed=7))
-    draws = [first(LOGITS, []) for _ in range(50)]
-    assert draws == [second(LOGITS, []) for _ in range(50)] and len(set(draws)) > 1
+    draws = [first(LOGITS, [0] * position) for position in range(50)]
+    # the second sampler asks in another order, and twice: the same token at each position
+    assert [second(LOGITS, [0] * position) for position in reversed(range(50))][::-1] == draws
+    assert [second(LOGITS, [0] * position) for position in range(50)] == draws
+    assert len(set(draws)) > 1
+    other = Sampler(SamplingParams(1.0, seed=8))
+    assert [other(LOGITS, [0] * position) for position in range(50)] != draws
 
 
-def test_sampled_frequencies_match_the_distribution():
-    sampler, n = Sampler(SamplingParams(temperature=1.0, seed=0)), 20000
-    counts = np.bincount([sampler(LOGITS, []) for _ in range(n)], minlength=5)
+def test_without_a_seed_each_sampler_draws_afresh():
+    draws = {Sampler(SamplingParams(1.0))(LOGITS, []) for _ in range(50)}
+    assert len(draws) > 1
+
+
+@pytest.mark.parametrize("over", ["seeds", "positions"])
+def test_sampled_frequencies_match_the_distribution(over):
+    n = 20000
+    if over == "seeds":
+        draws = [Sampler(SamplingParams(temperature=1.0, seed=s))(LOGITS, []) for s in range(n)]
+    else:
+        sampler = Sampler(SamplingParams(temperature=1.0, seed=0))
+        draws = [sampler(LOGITS, range(position)) for position in range(n)]
+    counts = np.bincount(draws, minlength=5)
     expected = n * np.array([0.4, 0.3, 0.15, 0.1, 0.05])
     chi2 = ((counts - expected) ** 2 / expected).sum()
     assert chi2 < 18.47  # chi-square, 4 degrees of freedom, p = 0.001

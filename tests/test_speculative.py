@@ -1,6 +1,8 @@
 """The speculative loop is lossless: greedy output equals plain greedy output token for token,
-and sampled output has exactly the verifier's distribution."""
+sampled output equals plain sampled output with the same seed, and has exactly the verifier's
+distribution."""
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -119,6 +121,20 @@ def test_speculative_sampling_has_the_verifiers_joint_distribution(tiny_model, p
     assert_same_distribution(counts, expected, n)
 
 
+@pytest.mark.parametrize("options", [dict(draft_k=3), dict(draft_k=2, lookup_k=4),
+                                     dict(draft_k=4, lookup_k=6, adaptive=True)])
+def test_sampled_speculative_equals_plain_with_the_same_seed(tiny_model, options):
+    params = dict(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.1)
+    drafted = 0
+    for seed in range(6):
+        ids = repetitive_prompt(200 + seed)
+        plain = tiny_model.generate_ids(ids, 40, mode="plain", seed=seed, **params).tokens
+        spec = tiny_model.generate_ids(ids, 40, seed=seed, **params, **options)
+        assert spec.tokens == plain, f"seed {seed}"
+        drafted += spec.stats["drafted"]
+    assert drafted > 0
+
+
 def assert_same_distribution(counts, expected, n):
     assert set(counts) <= set(expected), "sampled a continuation the verifier cannot produce"
     # chi-square over cells with enough expected mass, the rest pooled
@@ -134,8 +150,8 @@ def assert_same_distribution(counts, expected, n):
 
 
 def test_lookup_drafts_accepted_as_point_masses_keep_the_verifiers_distribution(tiny_model):
-    # a lookup draft d is certain (q = 1 at d): accept it with p(d), else resample from p
-    # without d. Then the first committed token has distribution p, the bonus after d p'.
+    # a lookup draft d is accepted when the verifier's draw at its position is d: with
+    # p(d). Then the first committed token has distribution p, the bonus after d p'.
     params, ids, engine = SamplingParams(temperature=1.0, top_k=5), prompt(11), tiny_model.engine
     engine.reset()
     first_logits = engine.prefill(ids).copy()
@@ -145,10 +161,11 @@ def test_lookup_drafts_accepted_as_point_masses_keep_the_verifiers_distribution(
     after = distribution(logits[1], ids + [draft], params)
     expected = {(int(t),): p[t] for t in np.flatnonzero(p) if t != draft}
     expected.update({(draft, int(t)): p[draft] * after[t] for t in np.flatnonzero(after)})
-    decoder = SpeculativeDecoder(engine, params, DraftPolicy(), SpecStats())
     n, counts = 20000, {}
-    for _ in range(n):
-        path = tuple(decoder.accept([draft], [None], logits, ids))
+    for seed in range(n):
+        decoder = SpeculativeDecoder(engine, replace(params, seed=seed), DraftPolicy(),
+                                     SpecStats())
+        path = tuple(decoder.accept([draft], logits, ids))
         counts[path] = counts.get(path, 0) + 1
     assert_same_distribution(counts, expected, n)
 
@@ -162,9 +179,9 @@ class RecordingDecoder(SpeculativeDecoder):
         self.drafts = []
 
     def draft(self, *args):
-        drafter, drafts, dists = super().draft(*args)
+        drafter, drafts = super().draft(*args)
         self.drafts.append(list(drafts))
-        return drafter, drafts, dists
+        return drafter, drafts
 
 
 def common_prefix(a, b) -> int:
