@@ -53,15 +53,22 @@ def _export_args(sub, common):
                    "fastest of a few candidates, measured on the artifact")
     p.add_argument("--adapter", default="auto",
                    help="exit adapter for the draft: auto (default: the shipped one for this "
-                   "model, else train one), train, none (raw early exit), or an adapter file")
+                   "model, else train one if the calibration budget affords it, else the raw "
+                   "exit), train, none (raw early exit), or an adapter file")
+    p.add_argument("--calibration-minutes", type=float, default=5.0, metavar="M",
+                   help="time for calibration after the graphs are built (default: 5). Plain "
+                   "decoding's speed is measured first and the work sized to fit: held-out "
+                   "prompts measured, whether an adapter is trained and on how many replies, "
+                   "which screens (k, shortlist, exit layers) run; the plan is printed")
     p.add_argument("--adapter-minutes", type=float, default=8.0,
-                   help="training time for a new adapter, all exit layers tried (default: 8)")
+                   help="at most this much training for a new adapter, all exit layers tried "
+                   "(default: 8; the calibration budget may give less)")
     p.add_argument("--save-adapter", metavar="FILE.npz",
                    help="also keep the chosen adapter here (fp16), for --adapter FILE later")
     p.add_argument("--shortlist", type=_auto_or(int), default="auto",
                    help="draft head vocabulary: auto (default: measured), a size, or 0 (full)")
     p.add_argument("--no-calibrate", action="store_true",
-                   help="skip measuring the draft policy (k, threshold, prompt lookup); "
+                   help="measure nothing and train no adapter unless --adapter train; "
                    "needs a numeric --exit-layer")
     p.add_argument("--precision", default="int4", choices=("int4", "int8", "fp16", "fp32"),
                    help="weight format (default: int4, block 32; int8: 8 bits everywhere, "
@@ -296,6 +303,7 @@ def _export(args):
                  shortlist=args.shortlist or None, calibrate=not args.no_calibrate,
                  adapter_minutes=args.adapter_minutes, save_adapter=args.save_adapter,
                  int4_scheme=args.int4_scheme, head_bits=args.head_bits,
+                 calibration_minutes=args.calibration_minutes,
                  log=lambda msg: print(msg, file=sys.stderr))
 
 

@@ -148,9 +148,12 @@ class Engine:
             self._bind_rows(binding.bind_output, "final_hidden", self.final_states, 0, count)
         else:
             host["logits"] = np.zeros([1, 1, len(self.draft_vocab)], self.dtype)
+        inputs = {i.name for i in session.get_inputs()}  # a raw-exit draft has no lengths
         for name, array in host.items():
-            bind = binding.bind_ortvalue_output if name == "logits" else binding.bind_ortvalue_input
-            bind(name, ort.OrtValue.ortvalue_from_numpy(array))
+            if name == "logits":
+                binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
+            elif name in inputs:
+                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
         for past in self._past_names(graph):
             binding.bind_ortvalue_input(past, self.kv[past])
             binding.bind_ortvalue_output(past.replace("past_", "present_"), self.kv[past])

@@ -18,9 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
-
 from .graph import Blocks
+from .progress import progress
 from .source import Architecture
 
 BATCH = 4             # whole sequences per step: attention needs each row's context
@@ -79,8 +78,7 @@ def _generate(art, prompts, todo, sequences, files, max_new_tokens, top_k):
     engine = Engine(art, threads=2)
     codec = TextCodec.for_artifact(art)
     eos = set(art.eos_token_ids)
-    with tqdm(total=len(todo) * max_new_tokens, desc="collecting generations", unit="tok",
-              disable=None) as bar:
+    with progress(len(todo) * max_new_tokens, "collecting generations", unit="tok") as bar:
         for i in todo:
             engine.reset()
             ids = codec.encode_chat([{"role": "user", "content": prompts[i]}])
@@ -327,8 +325,8 @@ def train(sequences, arch, init, norm_weight, table, minutes=8.0, epochs=None, c
     budget = minutes * 60.0
     before = state["seconds"]
     start = saved_at = time.perf_counter()
-    with tqdm(total=last_step, initial=state["step"], desc="training adapter", unit="step",
-              disable=None) as bar:
+    with progress(last_step, f"training adapter (up to {minutes:.2g} min)", unit="step",
+                  initial=state["step"]) as bar:
         while (last_step is None or state["step"] < last_step) and \
                 before + time.perf_counter() - start < budget:
             loss = _loss(layer, head, _step_batch(train_set, state["step"], per_epoch, seed))
@@ -339,7 +337,7 @@ def train(sequences, arch, init, norm_weight, table, minutes=8.0, epochs=None, c
             state["step"] += 1
             state["losses"].append(loss.item())
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)  # a line each 15 s
             state["seconds"] = before + time.perf_counter() - start
             if path and time.perf_counter() - saved_at > CHECKPOINT_EVERY:
                 _save_checkpoint(path, layer, optimizer, state)

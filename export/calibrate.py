@@ -7,11 +7,14 @@ agreement; the rest are the adapter's training data (the model's own greedy repl
 """
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 from . import adapter as exit_adapter
+from . import budget
+from .progress import progress
 
 CALIBRATION = Path(__file__).parent / "data" / "calibration.jsonl"
 HELD_OUT_EVERY = 8
@@ -24,8 +27,11 @@ K_CANDIDATES = (1, 2, 3, 4)
 LOOKUP_K = 6
 THRESHOLDS = (0.0, 0.3, 0.6)
 SHORTLIST_COVERAGE = (0.95, 0.99)  # of the calibration replies' tokens
+MIN_COUNT_REPLIES = 48  # replies collected only to count tokens, for a given shortlist size
+PROBE_TOKENS = 32  # plain decoding's speed here, measured first, sizes the plan
 DEFAULT_K = 4  # early-exit drafts per round while nothing is measured
 FIXED = {"k": DEFAULT_K, "threshold": 0.0, "lookup_k": 0, "adaptive": False}  # uncalibrated
+ADAPTIVE = {"k": DEFAULT_K, "threshold": 0.0, "lookup_k": LOOKUP_K, "adaptive": True}
 
 
 def instructions():
@@ -94,15 +100,18 @@ def measure(artifact_dir, policies: list, prompts: list, log=print) -> list:
     ratios = [[] for _ in policies]
     rounds = [[0, 0] for _ in policies]
     identical = [True] * len(policies)
-    for prompt in prompts:
-        ids = model.encode(prompt)
-        plain = model.generate_ids(ids, MEASURE_TOKENS, mode="plain")
-        for i, policy in enumerate(policies):
-            spec = model.generate_ids(ids, MEASURE_TOKENS, **policy)
-            ratios[i].append(spec.decode_tokens_per_s / plain.decode_tokens_per_s)
-            rounds[i][0] += spec.stats["rounds"]
-            rounds[i][1] += spec.stats["rounds"] + spec.stats["accepted"]
-            identical[i] &= spec.tokens == plain.tokens
+    with progress(len(prompts), f"plain and {len(policies)} draft "
+                  f"polic{'y' if len(policies) == 1 else 'ies'}", unit="prompt") as bar:
+        for prompt in prompts:
+            ids = model.encode(prompt)
+            plain = model.generate_ids(ids, MEASURE_TOKENS, mode="plain")
+            for i, policy in enumerate(policies):
+                spec = model.generate_ids(ids, MEASURE_TOKENS, **policy)
+                ratios[i].append(spec.decode_tokens_per_s / plain.decode_tokens_per_s)
+                rounds[i][0] += spec.stats["rounds"]
+                rounds[i][1] += spec.stats["rounds"] + spec.stats["accepted"]
+                identical[i] &= spec.tokens == plain.tokens
+            bar.update(1)
     results = [{"policy": policy, "speedup": round(float(np.median(r)), 3),
                 "tokens_per_round": round(n_tokens / max(1, n_rounds), 2),
                 "identical": same}
@@ -111,6 +120,17 @@ def measure(artifact_dir, policies: list, prompts: list, log=print) -> list:
         log(f"  {_describe(r['policy'])}: {r['speedup']:.2f}x plain, "
             f"{r['tokens_per_round']:.2f} tokens/round")
     return results
+
+
+def plain_token_seconds(artifact_dir, prompt) -> float:
+    """Seconds per token of plain greedy decoding here: a short generation after a warm-up."""
+    import edgespec
+
+    model = edgespec.load(artifact_dir, threads=2, verify=False)
+    ids = model.encode(prompt)
+    model.generate_ids(ids, 4, mode="plain", ignore_eos=True)
+    return 1 / model.generate_ids(ids, PROBE_TOKENS, mode="plain",
+                                  ignore_eos=True).decode_tokens_per_s
 
 
 def _describe(policy):
@@ -175,43 +195,53 @@ def cache_dir(source) -> Path:
 
 
 def calibrate_draft(artifact, exit_layer, auto, adapter, shortlist_size, calibrate, minutes,
-                    save=None, log=print):
-    """Write the artifact with its draft graph, choosing what `auto`/`calibrate` leave open.
+                    budget_minutes, save=None, log=print):
+    """Write the artifact with its draft graph, choosing what `auto`/`calibrate` leave open,
+    within `budget_minutes` of calibration (export/budget.py sizes the work to it).
 
-    The calibration replies (adapter training data, the shortlist's token counts) -> per
-    candidate exit layer: an adapter (shipped, given or trained briefly) and the measured
-    speed of early-exit drafting -> the best layer's adapter trained on -> the shortlist
-    size -> the shipped (adaptive) policy."""
-    run = Calibration(artifact, adapter, minutes, log)
-    candidates = [run.ready_layer] if run.ready_layer is not None else \
-        candidate_exit_layers(artifact.source.arch.num_layers) if auto else [exit_layer]
-    run.prepare(candidates[0])
-    vocab = (None if shortlist_size is None else shortlist(
+    Plain decoding's speed here -> the plan -> the calibration replies (adapter training
+    data, the shortlist's token counts) -> per candidate exit layer: an adapter (shipped,
+    given or trained briefly) and the measured speed of early-exit drafting -> the best
+    layer's adapter trained on -> the shortlist size -> the shipped (adaptive) policy.
+    Without `calibrate` nothing is measured and an adapter is trained only if asked."""
+    start = time.perf_counter()
+    run = Calibration(artifact, adapter, log)
+    first = run.ready_layer if run.ready_layer is not None else exit_layer
+    candidates = [first] + [e for e in candidate_exit_layers(artifact.source.arch.num_layers)
+                            if e != first and auto and run.ready_layer is None]
+    run.prepare(first)
+    plan = run.plan(candidates, shortlist_size == "auto", calibrate, minutes, budget_minutes)
+    run.collect(plan.replies or (MIN_COUNT_REPLIES if shortlist_size not in (None, "auto")
+                                 and run.counts is None else 0))
+    vocab = (None if shortlist_size is None or run.counts is None else shortlist(
         run.counts, shortlist_sizes(run.counts)[-1] if shortlist_size == "auto" else shortlist_size))
-    layer, k, weights = run.choose_exit_layer(candidates, vocab, calibrate)
+    layer, k, weights = run.choose_exit_layer(plan, vocab)
     if save and weights is not None:
         run.save(save, weights, layer)
-    if calibrate and shortlist_size == "auto":
-        vocab = run.choose_shortlist(layer, k, weights)
-    artifact.write(layer, FIXED, weights, vocab, with_draft=True)
-    if not calibrate:
+    if plan.shortlist:
+        vocab = run.choose_shortlist(layer, k, weights, plan.screen_prompts)
+    if not plan.prompts:
+        artifact.write(layer, ADAPTIVE if calibrate else FIXED, weights, vocab, with_draft=True)
         return
-    log(f"exit layer {layer}, k {k}: the adaptive policy")
-    run.report["policies"] = measure(artifact.out, final_policies(k), run.prompts, log)
+    log(f"exit layer {layer}, k {k}: the adaptive policies")
+    run.report["policies"] = measure(artifact.out, final_policies(k), run.prompts[:plan.prompts],
+                                     log)
     chosen = best(run.report["policies"])
     policy = {"k": chosen["policy"]["draft_k"], "threshold": chosen["policy"].get("draft_threshold", 0.0),
               "lookup_k": chosen["policy"]["lookup_k"], "adaptive": chosen["policy"]["adaptive"]}
+    run.report["minutes"] = round((time.perf_counter() - start) / 60, 1)
     log(f"chosen: exit layer {layer}, shortlist {len(vocab) if vocab is not None else 'off'}, "
-        f"{_describe(policy)} ({chosen['speedup']:.2f}x plain on the calibration prompts)")
+        f"{_describe(policy)} ({chosen['speedup']:.2f}x plain on the calibration prompts); "
+        f"calibration took {run.report['minutes']} min (budget {budget_minutes:g}, "
+        f"estimated {plan.seconds / 60:.1f})")
     artifact.write(layer, {**policy, "calibration": run.report}, weights, vocab, with_draft=True)
 
 
 class Calibration:
     """One export's calibration: its prompts, replies, adapters and measurements."""
 
-    def __init__(self, artifact, adapter, minutes, log):
-        self.artifact, self.source, self.adapter = artifact, artifact.source, adapter
-        self.minutes, self.log = minutes, log
+    def __init__(self, artifact, adapter, log):
+        self.artifact, self.source, self.adapter, self.log = artifact, artifact.source, adapter, log
         self.cache = cache_dir(self.source)
         (self.cache / "adapters").mkdir(parents=True, exist_ok=True)
         self.report = {"exit_layers": {}, "adapters": {}}
@@ -229,16 +259,49 @@ class Calibration:
         return self.adapter is not None and self.weights is None
 
     def prepare(self, layer):
-        """Write the plain artifact at `layer`; collect the replies if anything needs them."""
+        """Write the plain artifact at `layer` (timing the build); the prompts that fit."""
         train_prompts, held = instructions()
+        start = time.perf_counter()
         self.artifact.write(layer, FIXED)
+        self.build_s = time.perf_counter() - start
         self.prompts = fitting(self.artifact.out, held[:MEASURE_PROMPTS], MEASURE_TOKENS)
+        self.train_prompts = fitting(self.artifact.out, train_prompts, TRAIN_TOKENS)
+
+    def plan(self, candidates, shortlist_auto, calibrate, minutes, budget_minutes):
+        """What this calibration does (budget.plan, priced at plain decoding's speed here);
+        an "auto" adapter the budget cannot afford is dropped for the raw exit."""
+        if not calibrate:  # measure nothing; train only when asked to
+            if self.adapter == "auto":
+                self.adapter = None if self.weights is None else self.adapter
+            return budget.Plan(None, 0.0, exit_layers=candidates[:1], adapter_minutes=minutes,
+                               replies=len(self.train_prompts) if self.training else 0)
+        sizes = budget.Sizes(len(self.prompts), MEASURE_TOKENS, len(self.train_prompts),
+                             TRAIN_TOKENS, len(K_CANDIDATES), len(SHORTLIST_COVERAGE) + 1,
+                             len(final_policies(DEFAULT_K)))
+        token_s = plain_token_seconds(self.artifact.out, self.prompts[0])
+        train = None if not self.training else "train" if self.adapter == "train" else "auto"
+        plan = budget.plan(budget_minutes * 60, token_s, self.build_s, sizes, candidates, train,
+                           self.counts is not None, shortlist_auto, minutes)
+        drafter = "raw exit" if self.weights is None else \
+            "the shipped adapter" if self.adapter == "auto" else "the adapter given"
+        if train and not plan.replies:
+            self.adapter = None
+            drafter += (f" (an adapter's {budget.MIN_REPLIES} replies and training do not "
+                        "fit; a larger --calibration-minutes would train one)")
+        self.log(plan.describe(budget_minutes * 60, drafter))
+        return plan
+
+    def collect(self, replies):
+        """The model's greedy replies to the first `replies` training prompts: the adapter's
+        data and the shortlist's token counts."""
+        if not replies:
+            return
+        sequences = exit_adapter.collect(self.artifact.out, self.train_prompts[:replies],
+                                         TRAIN_TOKENS, cache_dir=self.cache / "replies",
+                                         log=self.log)
+        self.exit_states[self.artifact.exit_layer] = sequences
         if self.counts is None or self.training:
-            train_prompts = fitting(self.artifact.out, train_prompts, TRAIN_TOKENS)
-            replies = exit_adapter.collect(self.artifact.out, train_prompts, TRAIN_TOKENS,
-                                           cache_dir=self.cache / "replies", log=self.log)
-            self.exit_states[layer] = replies
-            self.counts = reply_token_counts(replies, self.source.arch.vocab_size)
+            self.counts = reply_token_counts(sequences, self.source.arch.vocab_size)
 
     def adapter_for(self, layer, minutes):
         """The adapter for `layer`: the given one, or trained up to `minutes` in all (a
@@ -255,43 +318,43 @@ class Calibration:
             cache_dir=self.cache / "adapters", log=self.log)
         return weights
 
-    def choose_exit_layer(self, candidates, vocab, calibrate):
-        """(exit layer, k, adapter weights): the fastest early-exit drafting measured."""
-        screen = self.minutes / 4 if len(candidates) > 1 else self.minutes
+    def choose_exit_layer(self, plan, vocab):
+        """(exit layer, k, adapter weights): the fastest early-exit drafting measured. With
+        several candidates, half the training screens them, the chosen one gets the rest."""
+        layers, minutes = plan.exit_layers, plan.adapter_minutes
+        screen = minutes / (2 * len(layers)) if len(layers) > 1 else minutes
         speeds = self.report["exit_layers"]
-        for layer in candidates:
+        for layer in layers:
             self.artifact.write(layer, FIXED)
             weights = self.adapter_for(layer, screen)
-            if calibrate:
-                speeds[layer] = self._measure_exit(layer, weights, vocab)
-        layer = max(speeds, key=lambda e: best(speeds[e])["speedup"]) if speeds else candidates[0]
+            if plan.screen_k:
+                speeds[layer] = self._measure_exit(layer, weights, vocab, plan.screen_prompts)
+        layer = max(speeds, key=lambda e: best(speeds[e])["speedup"]) if speeds else layers[0]
         self.artifact.write(layer, FIXED)
-        if len(candidates) > 1 and self.training:  # the chosen layer's adapter trains on
-            weights = self.adapter_for(layer, screen + self.minutes / 2)
-            if calibrate:
-                speeds[layer] = self._measure_exit(layer, weights, vocab)
-        elif len(candidates) > 1:
-            weights = self.weights
+        if len(layers) > 1 and self.training:  # the chosen layer's adapter trains on
+            weights = self.adapter_for(layer, screen + minutes / 2)
+            if plan.screen_k:
+                speeds[layer] = self._measure_exit(layer, weights, vocab, plan.screen_prompts)
         if self.training:
             self.artifact.extra["adapter"] = self.report["adapters"][layer]
         k = best(speeds[layer])["policy"]["draft_k"] if speeds else DEFAULT_K
         return layer, k, weights
 
-    def _measure_exit(self, layer, weights, vocab):
+    def _measure_exit(self, layer, weights, vocab, prompts):
         self.artifact.write(layer, FIXED, weights, vocab, with_draft=True)
-        self.log(f"exit layer {layer}: early-exit drafting, fixed k, on {len(self.prompts)} "
+        self.log(f"exit layer {layer}: early-exit drafting, fixed k, on {prompts} "
                  "held-out calibration prompts")
-        return measure(self.artifact.out, exit_policies(), self.prompts, self.log)
+        return measure(self.artifact.out, exit_policies(), self.prompts[:prompts], self.log)
 
-    def choose_shortlist(self, layer, k, weights):
+    def choose_shortlist(self, layer, k, weights, prompts):
         """The draft head's vocabulary (None: all) that drafts fastest at k."""
         by_size = {}
         for size in shortlist_sizes(self.counts) + [None]:
             vocab = None if size is None else shortlist(self.counts, size)
             self.artifact.write(layer, FIXED, weights, vocab, with_draft=True)
             self.log(f"shortlist {size or 'off (full vocabulary)'}:")
-            by_size[size] = measure(self.artifact.out, [exit_policies()[k - 1]], self.prompts,
-                                    self.log)[0]
+            by_size[size] = measure(self.artifact.out, [exit_policies()[k - 1]],
+                                    self.prompts[:prompts], self.log)[0]
         self.report["shortlist"] = {str(s): r for s, r in by_size.items()}
         size = max(by_size, key=lambda s: by_size[s]["speedup"])
         return None if size is None else shortlist(self.counts, size)

@@ -24,6 +24,7 @@ PRECISIONS = ("int4", "int8", "fp16", "fp32")
 HEAD_BITS = (8, 4, "mixed")
 DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_ADAPTER_MINUTES = 8.0
+DEFAULT_CALIBRATION_MINUTES = 5.0
 DEFAULT_HEAD_BITS = "mixed"
 
 
@@ -64,14 +65,17 @@ def check_options(arch, exit_layer, max_context, precision):
 def export_model(model=None, out=None, exit_layer=None, precision="int4", max_context=None,
                  device="cpu", adapter=None, shortlist=None, calibrate=False,
                  adapter_minutes=DEFAULT_ADAPTER_MINUTES, save_adapter=None, int4_scheme="zp",
-                 head_bits=DEFAULT_HEAD_BITS, log=print):
+                 head_bits=DEFAULT_HEAD_BITS, calibration_minutes=DEFAULT_CALIBRATION_MINUTES,
+                 log=print):
     """Export MODEL (None: the bundled SmolLM2) and return the manifest written.
 
     exit_layer: a layer number, None (3/4 of the depth) or "auto" (chosen by measured speed
     among a few candidates). adapter: None (raw early exit), "auto" (the shipped adapter
     for this model, else train one), "train", or an adapter file. shortlist: None (full
     vocabulary for the draft head), a size, or "auto". calibrate: measure the draft policy
-    (k, threshold, lookup) on the artifact and make the best the default. save_adapter: keep
+    (k, threshold, lookup) on the artifact and make the best the default, within
+    calibration_minutes (how much is measured and whether an "auto" adapter is trained is
+    sized to it; adapter_minutes caps the training). save_adapter: keep
     the adapter used in this file (fp16) for later exports. int4_scheme: "zp" (4-bit zero
     points, one op a linear layer) or "q4_1" (the GGUF Q4_1 grid, exact for Q4_1 sources,
     slower); head_bits: 8, 4 or "mixed" (the most used tokens at 8 bits, the rest at 4)
@@ -124,7 +128,7 @@ def export_model(model=None, out=None, exit_layer=None, precision="int4", max_co
             artifact.write(exit_layer, FIXED)
         else:
             calibrate_draft(artifact, exit_layer, auto, adapter, shortlist, calibrate,
-                            adapter_minutes, save_adapter, log)
+                            adapter_minutes, calibration_minutes, save_adapter, log)
         artifact.release()
         log("measuring quality against the full-precision model ...")
         artifact.fields["quality"] = quality.measure(source, partial, max_context)

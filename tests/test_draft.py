@@ -89,15 +89,23 @@ def test_the_artifact_lists_the_draft_graph_and_its_vocabulary(drafted):
 
 
 def test_a_calibrated_export_measures_and_records_its_choices(tiny_checkpoint, tmp_path,
-                                                              monkeypatch):
+                                                              monkeypatch, capsys):
     # a small calibration: few prompts, short replies, seconds of training
     for name, value in (("TRAIN_PROMPTS", 12), ("MEASURE_PROMPTS", 2), ("TRAIN_TOKENS", 16),
                         ("MEASURE_TOKENS", 16)):
         monkeypatch.setattr(calibrate, name, value)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    lines = []
     manifest = export_model(str(tiny_checkpoint), tmp_path / "auto", exit_layer="auto",
                             adapter="train", shortlist="auto", calibrate=True,
-                            adapter_minutes=0.1, save_adapter=tmp_path / "kept.npz", log=quiet)
+                            adapter_minutes=0.1, save_adapter=tmp_path / "kept.npz",
+                            log=lines.append)
+    assert any(line.startswith("calibration budget 5 min") and "exit layers 1, 2, 3, an exit "
+               "adapter trained on" in line for line in lines), lines
+    progress = capsys.readouterr().err  # stderr is no terminal here: bars print lines
+    for phase in ("collecting generations: 100%", "training adapter (up to",
+                  "plain and 4 draft policies: 100%", "plain and 5 draft policies: 100%"):
+        assert phase in progress, phase
     report = manifest["draft"]["calibration"]
     assert {int(e) for e in report["exit_layers"]} == set(calibrate.candidate_exit_layers(4))
     chosen = max(report["policies"], key=lambda r: r["speedup"])["policy"]
