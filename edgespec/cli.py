@@ -70,9 +70,11 @@ def _export_args(sub, common):
     p.add_argument("--no-calibrate", action="store_true",
                    help="measure nothing and train no adapter unless --adapter train; "
                    "needs a numeric --exit-layer")
-    p.add_argument("--precision", default="int4", choices=("int4", "int8", "fp16", "fp32"),
-                   help="weight format (default: int4, block 32; int8: 8 bits everywhere, "
-                   "closest to the source)")
+    p.add_argument("--precision", default="auto",
+                   choices=("auto", "int4", "int8", "fp16", "fp32"),
+                   help="weight format: auto (default): int4 (block 32), or int8 for "
+                   "architectures int4 follows too loosely (Gemma 3); int8: 8 bits "
+                   "everywhere, closest to the source")
     p.add_argument("--int4-scheme", default="zp", choices=("zp", "q4_1"),
                    help="zp (default): a 4-bit zero point and a scale per block, searched for "
                    "the least error, one fast op per linear layer; q4_1: the GGUF Q4_1 grid "

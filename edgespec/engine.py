@@ -15,7 +15,9 @@ activations downstream turn those last bits into different tokens. So every grap
 PAD_ROWS zero rows to each attention call (export/graph.py): attention always sees several
 rows, the linear layers only the real ones (bit-exact for any row count). The pad's KV lands
 one position past the valid length, so the caches hold one position more than the context.
-See DESIGN.md.
+Second, its scores GEMM (MLAS, K = head_dim) sums K in one pass or in slices depending on
+the call's total length; for head_dim > 128 (Gemma 3) a call is cut where that changes
+(`gemm_cuts`), so a row's scores round as in its own plain step. See DESIGN.md.
 
 The optional draft graph (exit adapter and shortlisted head) reads exit states too and has
 its own KV cache; it only proposes tokens, so its numerics never touch the output.
@@ -30,6 +32,27 @@ from .errors import EdgespecError
 CHUNK = 256  # the most positions one call handles (prefill is cut into chunks)
 PAD_ROWS = 1  # zero rows each graph appends to its attention calls (see above)
 NUMPY_DTYPE = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def _k_slices(n, k):
+    """How many slices of K MLAS's SGEMM sums for an N x K operand (sgemm.cpp, A not
+    transposed: strides 128 x 128, the K stride widened when N is small)."""
+    stride_n = stride_k = 128
+    if n >= k:
+        while stride_k // 2 >= k:
+            stride_k //= 2
+    else:
+        while stride_n > 16 and stride_n // 2 >= n:
+            stride_n, stride_k = stride_n // 2, stride_k * 2
+    return -(-k // stride_k)
+
+
+def gemm_cuts(head_dim) -> list:
+    """Positions no call may span: GroupQueryAttention's Q.K' GEMM has N = the call's total
+    length (its last position + 1 + PAD_ROWS) and K = head_dim, so a row run among later
+    ones must not cross a total length where the number of K slices changes."""
+    return [total - PAD_ROWS for total in (16, 32, 64)
+            if _k_slices(total, head_dim) != _k_slices(total + 1, head_dim)]
 
 
 def choose_provider(artifact: Artifact, device: str = "auto") -> str:
@@ -98,6 +121,7 @@ class Engine:
                    for name in self._past_names(s)}
         self.exit_states = self._alloc([1, self.max_context, self.hidden_size])  # by position
         self.final_states = self._alloc([1, CHUNK, self.hidden_size])  # by row of a call
+        self.cuts = gemm_cuts(a["head_dim"])
         self.lower_len = self.upper_len = 0  # valid positions in each KV cache
         self.draft_len = 0  # positions the draft graph's adapter has seen
         self.tokens = []  # the token at each position lower has run
@@ -144,9 +168,7 @@ class Engine:
         host = {"seqlens_k": np.zeros([1], np.int32), "total_seq_len": np.zeros([], np.int32)}
         if graph == "lower":
             host["input_ids"] = np.zeros([1, count], np.int64)
-        elif graph == "upper":
-            self._bind_rows(binding.bind_output, "final_hidden", self.final_states, 0, count)
-        else:
+        elif graph == "draft":
             host["logits"] = np.zeros([1, 1, len(self.draft_vocab)], self.dtype)
         inputs = {i.name for i in session.get_inputs()}  # a raw-exit draft has no lengths
         for name, array in host.items():
@@ -191,27 +213,42 @@ class Engine:
         call.host["seqlens_k"][0] = first + count + PAD_ROWS - 1
         call.host["total_seq_len"][...] = first + count + PAD_ROWS
 
+    def _pieces(self, first, count):
+        """[first, first + count) as (first, count) pieces no longer than CHUNK that span
+        no GEMM cut."""
+        ends = [c for c in self.cuts if first < c < first + count] + [first + count]
+        for end in ends:
+            while first < end:
+                n = min(CHUNK, end - first)
+                yield first, n
+                first += n
+
     def lower(self, ids):
         """Run lower on len(ids) new tokens; their exit states land at their positions."""
-        count, first = len(ids), self.lower_len
-        self._check_room(first, count)
-        self.tokens[first:] = [int(t) for t in ids]
-        call = self._layer_call("lower", count)
-        call.host["input_ids"][0] = ids
-        self._bind_rows(call.binding.bind_output, "exit_hidden", self.exit_states, first, count)
-        self._set_lengths(call, first, count)
-        call.run()
-        self.lower_len += count
+        start = self.lower_len
+        self._check_room(start, len(ids))
+        self.tokens[start:] = [int(t) for t in ids]
+        for first, count in self._pieces(start, len(ids)):
+            call = self._layer_call("lower", count)
+            call.host["input_ids"][0] = ids[first - start:first - start + count]
+            self._bind_rows(call.binding.bind_output, "exit_hidden", self.exit_states, first,
+                            count)
+            self._set_lengths(call, first, count)
+            call.run()
+        self.lower_len += len(ids)
 
     def upper(self, count: int):
         """Run upper on the next `count` positions' exit states (lower ran them already);
         their final states land in rows 0..count-1 of final_states."""
-        first = self.upper_len
-        self._check_room(first, count)
-        call = self._layer_call("upper", count)
-        self._bind_rows(call.binding.bind_input, "exit_hidden", self.exit_states, first, count)
-        self._set_lengths(call, first, count)
-        call.run()
+        start = self.upper_len
+        self._check_room(start, count)
+        for first, n in self._pieces(start, count):
+            call = self._layer_call("upper", n)
+            self._bind_rows(call.binding.bind_input, "exit_hidden", self.exit_states, first, n)
+            self._bind_rows(call.binding.bind_output, "final_hidden", self.final_states,
+                            first - start, n)
+            self._set_lengths(call, first, n)
+            call.run()
         self.upper_len += count
 
     def head(self, states: ort.OrtValue, rows):
@@ -232,14 +269,12 @@ class Engine:
         newest = self.lower_len - 1
         if "draft" not in self.sessions:
             return self.head(self.exit_states, [newest])[0]
-        first = min(self.draft_len, newest) if self._past_names("draft") else newest
-        while first <= newest:
-            count = min(CHUNK, newest + 1 - first)
+        start = min(self.draft_len, newest) if self._past_names("draft") else newest
+        for first, count in self._pieces(start, newest + 1 - start):
             call = self._layer_call("draft", count)
             self._bind_rows(call.binding.bind_input, "exit_hidden", self.exit_states, first, count)
             self._set_lengths(call, first, count)
             call.run()
-            first += count
         self.draft_len = self.lower_len
         if self.device != "cpu":
             call.binding.synchronize_outputs()

@@ -30,7 +30,8 @@ SHORTLIST_COVERAGE = (0.95, 0.99)  # of the calibration replies' tokens
 MIN_COUNT_REPLIES = 48  # replies collected only to count tokens, for a given shortlist size
 PROBE_TOKENS = 32  # plain decoding's speed here, measured first, sizes the plan
 DEFAULT_K = 4  # early-exit drafts per round while nothing is measured
-FIXED = {"k": DEFAULT_K, "threshold": 0.0, "lookup_k": 0, "adaptive": False}  # uncalibrated
+FIXED = {"k": DEFAULT_K, "threshold": 0.0, "lookup_k": 0, "adaptive": False}  # while measuring
+# shipped when nothing is measured: the scheduler pauses a drafter that does not pay
 ADAPTIVE = {"k": DEFAULT_K, "threshold": 0.0, "lookup_k": LOOKUP_K, "adaptive": True}
 
 
@@ -221,7 +222,7 @@ def calibrate_draft(artifact, exit_layer, auto, adapter, shortlist_size, calibra
     if plan.shortlist:
         vocab = run.choose_shortlist(layer, k, weights, plan.screen_prompts)
     if not plan.prompts:
-        artifact.write(layer, ADAPTIVE if calibrate else FIXED, weights, vocab, with_draft=True)
+        artifact.write(layer, ADAPTIVE, weights, vocab, with_draft=True)
         return
     log(f"exit layer {layer}, k {k}: the adaptive policies")
     run.report["policies"] = measure(artifact.out, final_policies(k), run.prompts[:plan.prompts],

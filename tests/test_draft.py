@@ -77,7 +77,7 @@ def test_greedy_speculative_with_the_draft_graph_equals_plain(drafted):
     for seed in range(6):
         ids = [int(t) for t in np.random.default_rng(seed).integers(5, 300, 12)]
         plain = drafted.generate_ids(ids, 40, mode="plain").tokens
-        spec = drafted.generate_ids(ids, 40, draft_k=3, lookup_k=2)
+        spec = drafted.generate_ids(ids, 40, draft_k=3, lookup_k=2, adaptive=False)
         assert spec.tokens == plain, f"seed {seed}"
         assert spec.stats["exit_drafted"] > 0
 

@@ -202,3 +202,8 @@ def test_export_measures_quality_against_the_full_precision_model(tiny_fp32, tin
     assert fp32["perplexity"] == pytest.approx(fp32["reference_perplexity"], rel=1e-3)
     assert int4["reference_perplexity"] == fp32["reference_perplexity"]
     assert int4["top1_agreement"] < 1.0 and int4["perplexity"] != fp32["perplexity"]
+
+
+def test_an_uncalibrated_export_ships_the_adaptive_policy_with_prompt_lookup(tiny_int4):
+    draft = json.loads((tiny_int4 / "manifest.json").read_text())["draft"]
+    assert draft == {"k": 4, "threshold": 0.0, "lookup_k": 6, "adaptive": True}

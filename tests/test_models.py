@@ -2,7 +2,7 @@
 
 Fetch them with `benchmarks/fetch_models.sh` (into models/sources/, which git ignores);
 without them every test here skips and says which file is missing. Each model is exported
-once (int4, a fixed exit layer, no calibration) and checked: the file's tensors dequantize
+once (the default precision: int4, int8 for Gemma 3; a fixed exit layer, no calibration) and checked: the file's tensors dequantize
 as the gguf package does, the artifact follows the full-precision model on export's quality
 passage, a chat reply is on topic, and greedy speculative decoding equals plain.
 """
@@ -23,11 +23,11 @@ SOURCES = Path(__file__).resolve().parent.parent / "models" / "sources"
 # prompt ("raw:" text for base models: the Gemma 3 270M here is the pretrained one), a word
 # its reply must hold)
 MODELS = {
-    "qwen2.5-coder-0.5b": ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "qwen0.5b", "int4", 18,
+    "qwen2.5-coder-0.5b": ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "qwen0.5b", "auto", 18,
                            0.80, "Write a Python function that reverses a string.", "def "),
-    "gemma3-270m": ("gemma-3-270m-q4_k_m.gguf", "gemma3-270m", "int8", 13, 0.95,
+    "gemma3-270m": ("gemma-3-270m-q4_k_m.gguf", "gemma3-270m", "auto", 13, 0.95,
                     "raw:The capital of France is Paris. The capital of Italy is", "Rome"),
-    "qwen2.5-coder-1.5b": ("qwen2.5-coder-1.5b.gguf", "qwen1.5b", "int4", 21, 0.80,
+    "qwen2.5-coder-1.5b": ("qwen2.5-coder-1.5b.gguf", "qwen1.5b", "auto", 21, 0.80,
                            "Write a Python function that reverses a string.", "def "),
 }
 

@@ -92,6 +92,30 @@ def test_a_token_run_alone_gets_the_bits_it_gets_among_others(tiny_fp32):
     np.testing.assert_array_equal(chunked, engine.head(engine.final_states, [1])[0])
 
 
+@pytest.mark.parametrize("head_dim", [256, 512])
+def test_rows_get_the_same_bits_in_calls_of_any_size_with_wide_heads(head_dim, tmp_path):
+    """Attention's scores GEMM slices K = head_dim by the call's total length (Gemma 3's
+    256): rows run one by one and in calls of several agree bit for bit across position 64."""
+    checkpoint = make_checkpoint(tmp_path / "checkpoint", layers=2, head_dim=head_dim)
+    export_model(str(checkpoint), tmp_path / "artifact", precision="fp32", exit_layer=1,
+                 log=quiet)
+    engine, ids = edgespec.load(tmp_path / "artifact").engine, prompt(80, seed=8)
+
+    def final_states(size):
+        engine.reset()
+        rows = []
+        for at in range(0, len(ids), size):
+            piece = ids[at:at + size]
+            engine.lower(np.array(piece))
+            engine.upper(len(piece))
+            rows.append(engine.final_states.numpy()[0, :len(piece)].copy())
+        return np.concatenate(rows)
+
+    alone = final_states(1)
+    for size in (3, 5, 8, 80):
+        np.testing.assert_array_equal(final_states(size), alone, err_msg=f"calls of {size}")
+
+
 def test_rolling_back_the_cache_length_reproduces_logits(tiny_fp32):
     model = edgespec.load(tiny_fp32)
     engine, ids = model.engine, prompt(16, seed=7)
