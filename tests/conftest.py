@@ -26,11 +26,11 @@ def tiny_int4(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def long_artifact(tmp_path_factory):
-    """A tiny model with room for 4000-token replies, deep enough that one takes seconds
+    """A tiny model with room for 4000-token replies, deep enough that one takes ~8 s
     (lookup drafting races through a random model's loops): slow enough to cancel."""
     path = tmp_path_factory.mktemp("long")
-    checkpoint = make_checkpoint(path / "ckpt", max_positions=4096, layers=16,
-                                 intermediate_size=512)
+    checkpoint = make_checkpoint(path / "ckpt", max_positions=4096, layers=32,
+                                 intermediate_size=1024)
     export_model(str(checkpoint), path / "art", max_context=4096, log=quiet)
     return path / "art"
 
