@@ -1,6 +1,6 @@
 """Prompt lookup proposals and the never-slower scheduler, as pure logic."""
 from edgespec.lookup import PromptLookup
-from edgespec.schedule import FIRST_PAUSE, PROBE_STEPS, TRIAL_ROUNDS, Scheduler
+from edgespec.schedule import FIRST_PAUSE, PROBE_STEPS, START_K, TRIAL_ROUNDS, Scheduler
 
 
 def test_lookup_proposes_what_followed_the_newest_ngram_last_time():
@@ -58,6 +58,17 @@ def test_scheduler_pauses_a_losing_drafter_and_tries_it_again_later():
     assert any(k > 0 for k in used[PROBE_STEPS + TRIAL_ROUNDS + FIRST_PAUSE:])
 
 
+def test_k_starts_small_doubles_while_all_is_accepted_and_drops_to_what_was():
+    scheduler = Scheduler({"exit": 0, "lookup": 6}, adaptive=True)
+    run_rounds(scheduler, 1.0, 1.0, 1, PROBE_STEPS)  # "exit" is off: plain steps
+    ks = []
+    for accepted in (2, 4, 6, 1, 2, 0, 1):  # what each round accepts of its k drafts
+        k = scheduler.k("lookup", budget=8)
+        ks.append(k)
+        scheduler.record("lookup", k, min(accepted, k) + 1, 0.5)
+    assert ks == [START_K, 4, 6, 6, 2, 4, 1]
+
+
 def test_a_fixed_policy_always_drafts_k():
     scheduler = Scheduler({"exit": 3, "lookup": 2}, adaptive=False)
     assert run_rounds(scheduler, 1.0, 9.0, 1, 10) == [3] * 10
@@ -68,7 +79,7 @@ def test_rounds_the_confidence_gate_stopped_count_against_their_drafter():
     scheduler = Scheduler({"exit": 4, "lookup": 0}, adaptive=True)
     run_rounds(scheduler, 1.0, 1.0, 1, PROBE_STEPS)
     for _ in range(TRIAL_ROUNDS):  # the draft head ran, then no draft was confident enough
-        assert scheduler.k("exit", budget=8) == 4  # k untouched: nothing was drafted
+        assert scheduler.k("exit", budget=8) == START_K  # untouched: nothing was drafted
         scheduler.record("exit", 0, 1, 1.2)
     assert scheduler.k("exit", budget=8) == 0  # paused: slower than plain
 
