@@ -143,7 +143,8 @@ def genai_quality(artifact, genai_dir):
     empty = np.zeros((1, decoder["num_key_value_heads"], 0, decoder["head_size"]), np.float32)
     feeds.update({t.name: empty for t in session.get_inputs() if t.name.startswith("past_")})
     logits = session.run(["logits"], feeds)[0][0]
-    theirs = quality.compare(quality.reference_logits(source.torch_model, ids), logits, ids)
+    reference = quality.scores(quality.reference_logits(source.torch_model, ids), ids)
+    theirs = quality.compare(reference, quality.scores(logits, ids), ids)
     print("| model | top-1 agreement | perplexity (full precision: "
           f"{theirs['reference_perplexity']:.2f}) |\n|---|---|---|")
     for name, q in (("edgespec " + Path(artifact).name, manifest["quality"]),
