@@ -104,12 +104,18 @@ class Sampler:
             int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1)
         self.noise_by_position = {}
 
-    def __call__(self, logits: np.ndarray, history) -> int:
-        if self.params.greedy:
-            return int(np.argmax(penalize(logits, history, self.params.repetition_penalty)))
-        p = distribution(logits, history, self.params)
+    def __call__(self, logits: np.ndarray, history, pending=()) -> int:
+        """pending: tokens after `history` not committed yet (a round's drafts); the two are
+        joined only when a penalty or a draw reads them, not for plain greedy."""
+        params = self.params
+        if params.greedy and params.repetition_penalty == 1.0:
+            return int(np.argmax(logits))
+        seen = history + list(pending) if pending else history
+        if params.greedy:
+            return int(np.argmax(penalize(logits, seen, params.repetition_penalty)))
+        p = distribution(logits, seen, params)
         support = np.flatnonzero(p)
-        race = p[support] / self.noise(len(history), p.size)[support]
+        race = p[support] / self.noise(len(seen), p.size)[support]
         return int(support[np.argmax(race)])
 
     def noise(self, position: int, size: int) -> np.ndarray:

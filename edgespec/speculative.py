@@ -133,10 +133,6 @@ class SpeculativeDecoder:
         self.scheduler = scheduler or new_scheduler(policy)
         self.scheduler.new_text()
 
-    def choose(self, logits, history, pending=()) -> int:
-        """The token at the position after history + pending."""
-        return self.sampler(logits, history + list(pending) if pending else history)
-
     def draft(self, token, history, budget, timer):
         """Feed `token`, then propose up to `budget` drafts; (drafter, drafts)."""
         engine, drafts = self.engine, []
@@ -154,7 +150,7 @@ class SpeculativeDecoder:
             timer.charge("head_s")
             if self.policy.threshold and _top_probability(logits) < self.policy.threshold:
                 break
-            d = self.choose(logits, history, drafts)
+            d = self.sampler(logits, history, drafts)
             drafts.append(d)
             timer.charge("sampling_s")
             engine.lower([d])
@@ -174,16 +170,16 @@ class SpeculativeDecoder:
     def accept(self, drafts, logits, history):
         """The committed tokens of the round: accepted drafts, then the verifier's token."""
         for i, d in enumerate(drafts):
-            target = self.choose(logits[i], history, drafts[:i])
+            target = self.sampler(logits[i], history, drafts[:i])
             if target != d:
                 return drafts[:i] + [target]
-        return drafts + [self.choose(logits[len(drafts)], history, drafts)]
+        return drafts + [self.sampler(logits[len(drafts)], history, drafts)]
 
     def rounds(self, first_logits, history: list, max_new_tokens: int):
         """Yield lists of committed tokens, one list per round (the first from prefill)."""
         engine, stats = self.engine, self.stats
         timer = _Timer(stats)
-        first = self.choose(first_logits, history)
+        first = self.sampler(first_logits, history)
         timer.charge("sampling_s")
         history.append(first)
         yield [first]
