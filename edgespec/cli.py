@@ -72,13 +72,17 @@ def _export_args(sub, common):
                    "needs a numeric --exit-layer")
     p.add_argument("--precision", default="auto",
                    choices=("auto", "int4", "int8", "fp16", "fp32"),
-                   help="weight format: auto (default): int4 (block 32), or int8 for "
+                   help="weight format: auto (default): int4, or int8 for "
                    "architectures int4 follows too loosely (Gemma 3); int8: 8 bits "
                    "everywhere, closest to the source")
     p.add_argument("--int4-scheme", default="zp", choices=("zp", "q4_1"),
                    help="zp (default): a 4-bit zero point and a scale per block, searched for "
                    "the least error, one fast op per linear layer; q4_1: the GGUF Q4_1 grid "
                    "(a float minimum per block), exact for Q4_1 sources but slower")
+    p.add_argument("--no-gptq", action="store_true",
+                   help="round each int4 weight on its own instead of GPTQ (which rounds a "
+                   "layer's weights to keep its outputs on calibration text): a faster "
+                   "export that follows the full model less closely")
     p.add_argument("--head-bits", default="mixed", choices=(8, 4, "mixed"),
                    type=lambda v: int(v) if v.isdigit() else v,
                    help="bits of the int4 artifact's vocabulary table, the embedding and "
@@ -305,7 +309,7 @@ def _export(args):
                  shortlist=args.shortlist or None, calibrate=not args.no_calibrate,
                  adapter_minutes=args.adapter_minutes, save_adapter=args.save_adapter,
                  int4_scheme=args.int4_scheme, head_bits=args.head_bits,
-                 calibration_minutes=args.calibration_minutes,
+                 calibration_minutes=args.calibration_minutes, gptq=not args.no_gptq,
                  log=lambda msg: print(msg, file=sys.stderr))
 
 

@@ -18,6 +18,7 @@ from onnx import TensorProto, helper
 
 from edgespec.engine import PAD_ROWS
 
+from .gptq import gptq_int4
 from .quantize import BLOCK, quantize_int4, quantize_int8
 
 MS = "com.microsoft"
@@ -108,15 +109,31 @@ class Blocks:
         offsets = g.op("Transpose", [g.weight(f"{name}.offsets", q.offsets.astype(g.dtype))])
         return g.op("Add", [y, g.op("MatMul", [self.block_sums(g, x, k), offsets])])
 
-    def quantized(self, name, w, bits):
+    def quantized(self, name, w, bits, gram=None):
         """w in `bits` (4: the export's int4 scheme), once per export: calibration rebuilds
         the graphs at other exit layers. Vocabulary tables use zero points at 4 bits, as
-        GatherBlockQuantized has no float minimum."""
+        GatherBlockQuantized has no float minimum. gram: X'X of the layer's inputs, for GPTQ
+        (export/gptq.py) instead of rounding each weight on its own."""
         key = (name, bits, hashlib.sha1(np.ascontiguousarray(w)).hexdigest())
         if key not in self._quantized:
             scheme = self.int4_scheme if name.startswith("layers.") else "zp"
-            self._quantized[key] = quantize_int8(w) if bits == 8 else quantize_int4(w, scheme)
+            if bits == 8:
+                self._quantized[key] = quantize_int8(w)
+            elif gram is not None and scheme == "zp":
+                self._quantized[key] = gptq_int4(w, gram)
+            else:
+                self._quantized[key] = quantize_int4(w, scheme)
         return self._quantized[key]
+
+    LINEARS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+               "down": ("mlp.down_proj",)}
+
+    def linear_weight(self, layer, name):
+        """One of a layer's LINEARS as the graph multiplies by it: q, k and v packed into one
+        weight, gate and up into one."""
+        parts = [self.w[f"model.layers.{layer}.{m}.weight"] for m in self.LINEARS[name]]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     @staticmethod
     def nbits_inputs(g, name, q):
@@ -162,7 +179,7 @@ class Blocks:
 
     def attention(self, g, x, layer, seqlens_k, total_len, cos, sin):
         a, p = self.arch, f"model.layers.{layer}.self_attn."
-        qkv_w = np.concatenate([self.w[p + f"{m}_proj.weight"] for m in "qkv"])
+        qkv_w = self.linear_weight(layer, "qkv")
         qkv_b = (np.concatenate([self.w[p + f"{m}_proj.bias"] for m in "qkv"])
                  if a.attention_bias else None)
         qkv = self.linear(g, x, f"layers.{layer}.qkv", qkv_w, qkv_b)
@@ -189,7 +206,7 @@ class Blocks:
         unpadded = g.op("Slice", [out, g.weight("zero", np.array([0])),
                                   g.weight("minus_pad", np.array([-PAD_ROWS])),
                                   g.weight("axis_1", np.array([1]))])
-        return self.linear(g, unpadded, f"layers.{layer}.o", self.w[p + "o_proj.weight"])
+        return self.linear(g, unpadded, f"layers.{layer}.o", self.linear_weight(layer, "o"))
 
     def sliding(self, layer) -> bool:
         """Whether `layer` attends through the sliding window (Gemma: its local layers)."""
@@ -201,16 +218,14 @@ class Blocks:
         return window if self.sliding(layer) and window < self.max_context else -1
 
     def mlp(self, g, x, layer):
-        p = f"model.layers.{layer}.mlp."
-        gate_up_w = np.concatenate([self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"]])
-        gate, up = g.op("Split", [self.linear(g, x, f"layers.{layer}.gate_up", gate_up_w)],
-                        n_out=2, axis=-1, num_outputs=2)
+        gate_up = self.linear(g, x, f"layers.{layer}.gate_up", self.linear_weight(layer, "gate_up"))
+        gate, up = g.op("Split", [gate_up], n_out=2, axis=-1, num_outputs=2)
         if self.arch.hidden_act == "gelu_tanh":  # GeGLU
             act = g.op("Gelu", [gate], approximate="tanh")
         else:
             act = g.op("QuickGelu", [gate], domain=MS, alpha=1.0)  # x * sigmoid(x) in one op
         return self.linear(g, g.op("Mul", [act, up]), f"layers.{layer}.down",
-                           self.w[p + "down_proj.weight"])
+                           self.linear_weight(layer, "down"))
 
     def layers(self, g, hidden, first, last, seqlens_k, total_len):
         """Decoder layers [first, last) on the residual stream; returns the new stream."""

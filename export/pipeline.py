@@ -12,8 +12,9 @@ from edgespec.errors import EdgespecError
 from edgespec.artifact import DRAFT_VOCAB
 
 from . import quality
-from .calibrate import ADAPTIVE, calibrate_draft
+from .calibrate import ADAPTIVE, calibrate_draft, instructions
 from . import graph
+from .gptq import quantize_layers
 from .graph import ACCURACY_LEVEL, Blocks, build_draft, build_head, build_lower, build_upper
 from .progress import progress
 from .quantize import BLOCK, INT4_SCHEMES
@@ -74,7 +75,7 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
                  device="cpu", adapter=None, shortlist=None, calibrate=False,
                  adapter_minutes=DEFAULT_ADAPTER_MINUTES, save_adapter=None, int4_scheme="zp",
                  head_bits=DEFAULT_HEAD_BITS, calibration_minutes=DEFAULT_CALIBRATION_MINUTES,
-                 log=print):
+                 gptq=True, log=print):
     """Export MODEL (None: the bundled SmolLM2) and return the manifest written.
 
     exit_layer: a layer number, None (3/4 of the depth) or "auto" (chosen by measured speed
@@ -87,7 +88,8 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
     the adapter used in this file (fp16) for later exports. int4_scheme: "zp" (4-bit zero
     points, one op a linear layer) or "q4_1" (the GGUF Q4_1 grid, exact for Q4_1 sources,
     slower); head_bits: 8, 4 or "mixed" (the most used tokens at 8 bits, the rest at 4)
-    for the vocabulary table of int4 artifacts."""
+    for the vocabulary table of int4 artifacts. gptq: choose the zp int4 weights of the
+    decoder layers by GPTQ on calibration text (export/gptq.py), else round each on its own."""
     start = time.perf_counter()
     check_formats(precision, device, int4_scheme, head_bits)
     log(f"reading {model or 'the bundled SmolLM2-135M-Instruct'} ...")
@@ -123,6 +125,9 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
         # (a GGUF's are read-only, dequantized on lookup)
         blocks = Blocks(arch, ChainMap({}, source.weights), precision, max_context, int4_scheme,
                         head_bits)
+        gptq = gptq and precision == "int4" and int4_scheme == "zp"
+        if gptq:
+            quantize_layers(blocks, source, instructions()[0], log)
         artifact = ArtifactBuilder(source, blocks, partial, dtype, {
             "source": {"model": source.origin, "sha256": source.sha256},
             "architecture": arch.to_dict(),
@@ -133,7 +138,7 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
             "eos_token_ids": source.eos_token_ids,
             "bos_token_id": source.bos_token_id,
             "chat_template": "chat_template.jinja",
-            "build": {"edgespec": __version__, "int4_block_size": BLOCK,
+            "build": {"edgespec": __version__, "int4_block_size": BLOCK, "int4_gptq": gptq,
                       "int4_accuracy_level": ACCURACY_LEVEL, "int4_scheme": int4_scheme,
                       "head_bits": head_bits, **({"head_8bit_tokens": graph.FREQUENT_TOKENS}
                                                  if head_bits == "mixed" else {})},

@@ -65,7 +65,8 @@ def test_int4_graphs_compute_exactly_the_dequantized_model(arch, tie, scheme, he
     checkpoint = make_checkpoint(tmp_path / "ckpt", arch=arch, tie=tie)
     precision = "int8" if scheme == "int8" else "int4"
     export_model(str(checkpoint), tmp_path / "a", precision=precision,
-                 int4_scheme="zp" if scheme == "int8" else scheme, head_bits=head_bits, log=quiet)
+                 int4_scheme="zp" if scheme == "int8" else scheme, head_bits=head_bits,
+                 gptq=False, log=quiet)  # GPTQ's codes: tests/test_gptq.py
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     ids = [int(t) for t in np.random.default_rng(2).integers(5, 300, 20)]
     with torch.no_grad():

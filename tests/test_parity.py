@@ -92,6 +92,18 @@ def test_a_token_run_alone_gets_the_bits_it_gets_among_others(tiny_fp32):
     np.testing.assert_array_equal(chunked, engine.head(engine.final_states, [1])[0])
 
 
+def final_states_in_calls_of(engine, ids, size):
+    """The final hidden state of every id, the ids run `size` at a time."""
+    engine.reset()
+    rows = []
+    for at in range(0, len(ids), size):
+        piece = ids[at:at + size]
+        engine.lower(np.array(piece))
+        engine.upper(len(piece))
+        rows.append(engine.final_states.numpy()[0, :len(piece)].copy())
+    return np.concatenate(rows)
+
+
 @pytest.mark.parametrize("head_dim", [256, 512])
 def test_rows_get_the_same_bits_in_calls_of_any_size_with_wide_heads(head_dim, tmp_path):
     """Attention's scores GEMM slices K = head_dim by the call's total length (Gemma 3's
@@ -100,20 +112,20 @@ def test_rows_get_the_same_bits_in_calls_of_any_size_with_wide_heads(head_dim, t
     export_model(str(checkpoint), tmp_path / "artifact", precision="fp32", exit_layer=1,
                  log=quiet)
     engine, ids = edgespec.load(tmp_path / "artifact").engine, prompt(80, seed=8)
-
-    def final_states(size):
-        engine.reset()
-        rows = []
-        for at in range(0, len(ids), size):
-            piece = ids[at:at + size]
-            engine.lower(np.array(piece))
-            engine.upper(len(piece))
-            rows.append(engine.final_states.numpy()[0, :len(piece)].copy())
-        return np.concatenate(rows)
-
-    alone = final_states(1)
+    alone = final_states_in_calls_of(engine, ids, 1)
     for size in (3, 5, 8, 80):
-        np.testing.assert_array_equal(final_states(size), alone, err_msg=f"calls of {size}")
+        np.testing.assert_array_equal(final_states_in_calls_of(engine, ids, size), alone,
+                                      err_msg=f"calls of {size}")
+
+
+def test_int4_rows_get_the_same_bits_alone_and_in_calls_of_any_size(tiny_int4):
+    """MatMulNBits gives a row the same bits whatever the call's row count only in blocks of
+    32 (larger blocks pair rows; DESIGN.md, "why blocks stay at 32")."""
+    engine, ids = edgespec.load(tiny_int4).engine, prompt(24, seed=9)
+    alone = final_states_in_calls_of(engine, ids, 1)
+    for size in (2, 3, 4, 5, 8):
+        np.testing.assert_array_equal(final_states_in_calls_of(engine, ids, size), alone,
+                                      err_msg=f"calls of {size}")
 
 
 def test_rolling_back_the_cache_length_reproduces_logits(tiny_fp32):
