@@ -128,6 +128,7 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
         gptq = gptq and precision == "int4" and int4_scheme == "zp"
         if gptq:
             quantize_layers(blocks, source, instructions()[0], log)
+            _return_freed_memory()  # the reference model's pass
         artifact = ArtifactBuilder(source, blocks, partial, dtype, {
             "source": {"model": source.origin, "sha256": source.sha256},
             "architecture": arch.to_dict(),
