@@ -44,7 +44,7 @@ class Generation:
 
 @dataclass
 class Piece:
-    """A piece of streamed text. drafted: its tokens came from accepted drafts;
+    """A piece of streamed text. drafted: a token of it came from an accepted draft;
     generated: tokens generated so far (for usage counts when a client stops early)."""
     text: str
     drafted: bool = False
@@ -186,6 +186,7 @@ class Model:
                                          self._scheduler(policy))
             rounds = decoder.rounds(first_logits, history, max_new_tokens)
         tokens, finish, stop_ids = [], None, set() if ignore_eos else self.stop_ids
+        drafted = False  # of the tokens whose text is still held (an incomplete character)
         try:
             for committed in rounds:
                 for i, token in enumerate(committed):
@@ -193,10 +194,11 @@ class Model:
                     if token in stop_ids:
                         finish = "stop"
                         break
+                    drafted |= i < len(committed) - 1  # all but a round's last were drafts
                     text = stream.push(token)
-                    if text:  # all but a round's last token were drafted, then accepted
-                        yield Piece(text, drafted=i < len(committed) - 1,
-                                    generated=len(tokens))
+                    if text:
+                        yield Piece(text, drafted=drafted, generated=len(tokens))
+                        drafted = False
                     if len(tokens) == max_new_tokens:
                         finish = "length"
                         break

@@ -83,6 +83,7 @@ class Blocks:
         # MatMulNBits weights: 4 bits (int4) or 8 (int8: every linear layer and the table)
         self.nbits = {"int4": 4, "int8": 8}.get(precision)
         self.on_layer = lambda: None  # progress callback, once per layer built
+        self.head_gram = None  # X'X of the lm_head's inputs, when GPTQ gathered it
         self._quantized = {}  # (name, bits, weight digest) -> quantized weight
 
     def release(self):
@@ -269,12 +270,14 @@ class Blocks:
     def vocab_parts(self, name, table):
         """The int4 artifact's vocabulary table as [(name, quantized rows, bits)]: one part
         at head_bits 8 or 4; "mixed": the first FREQUENT_TOKENS ids at 8 bits, the rest at 4."""
+        # GPTQ's 4-bit rows for a table the lm_head multiplies by (tied: the embedding too)
+        gram = self.head_gram if name != "embed_tokens" or self.arch.tie_word_embeddings else None
         if self.head_bits != "mixed" or len(table) <= FREQUENT_TOKENS:
             bits = 8 if self.head_bits == "mixed" else self.head_bits
-            return [(name, self.quantized(name, table, bits), bits)]
+            return [(name, self.quantized(name, table, bits, gram), bits)]
         frequent, rare = table[:FREQUENT_TOKENS], table[FREQUENT_TOKENS:]
         return [(f"{name}.frequent", self.quantized(f"{name}.frequent", frequent, 8), 8),
-                (f"{name}.rare", self.quantized(f"{name}.rare", rare, 4), 4)]
+                (f"{name}.rare", self.quantized(f"{name}.rare", rare, 4, gram), 4)]
 
     def embedding(self, g, ids):
         rows = self._embedding_rows(g, ids)

@@ -5,6 +5,7 @@ import numpy as np
 import onnx
 from helpers import quiet, run_cli
 
+import export.graph
 from export.gptq import gptq_int4
 from export.pipeline import export_model
 from export.quantize import BLOCK, dequantize_int4, quantize_int4
@@ -48,28 +49,33 @@ def test_gptq_on_uncorrelated_inputs_is_plain_rounding():
     np.testing.assert_array_equal(gptq_int4(w, gram).packed, quantize_int4(w).packed)
 
 
-def layer_weights(artifact):
-    """Initializer name -> array for the decoder layers' int4 weights of an artifact."""
+def int4_weights(artifact):
+    """Initializer name -> array for an artifact's quantized weights."""
     found = {}
     for graph in ("lower", "upper"):
         model = onnx.load(artifact / f"{graph}.onnx")
         found.update({t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer
-                      if t.name.startswith("layers.")})
+                      if t.name.startswith(("layers.", "embed_tokens."))})
     return found
 
 
-def test_export_chooses_layer_weights_by_gptq_unless_told_not_to(tiny_checkpoint, tmp_path):
-    export_model(str(tiny_checkpoint), tmp_path / "gptq", exit_layer=2, log=quiet)
-    result = run_cli("export", tiny_checkpoint, "-o", tmp_path / "rounded", "--exit-layer", "2",
+def test_export_chooses_layer_and_table_weights_by_gptq(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr(export.graph, "FREQUENT_TOKENS", 100)  # ids 100.. in 4 bits
+    for name, gptq in (("gptq", True), ("rounded", False)):
+        export_model(str(tiny_checkpoint), tmp_path / name, exit_layer=2, gptq=gptq, log=quiet)
+    gptq, rounded = int4_weights(tmp_path / "gptq"), int4_weights(tmp_path / "rounded")
+    assert gptq.keys() == rounded.keys()
+    chosen = [f"layers.{layer}.{linear}" for layer in range(4)
+              for linear in ("qkv", "o", "gate_up", "down")] + ["embed_tokens.rare"]
+    for name in chosen:  # the tied table's 4-bit rows serve the lm_head
+        np.testing.assert_array_equal(gptq[name + ".scales"], rounded[name + ".scales"])
+        assert (gptq[name + ".qweight"] != rounded[name + ".qweight"]).any(), name
+    np.testing.assert_array_equal(gptq["embed_tokens.frequent.qweight"],
+                                  rounded["embed_tokens.frequent.qweight"])  # 8 bits: rounded
+
+
+def test_export_cli_skips_gptq_when_told(tiny_checkpoint, tmp_path):
+    result = run_cli("export", tiny_checkpoint, "-o", tmp_path / "a", "--exit-layer", "2",
                      "--no-calibrate", "--no-gptq")
     assert result.returncode == 0, result.stderr
-    builds = [json.loads((tmp_path / name / "manifest.json").read_text())["build"]
-              for name in ("gptq", "rounded")]
-    assert [b["int4_gptq"] for b in builds] == [True, False]
-    gptq, rounded = layer_weights(tmp_path / "gptq"), layer_weights(tmp_path / "rounded")
-    assert gptq.keys() == rounded.keys()
-    for layer in range(4):
-        for linear in ("qkv", "o", "gate_up", "down"):
-            name = f"layers.{layer}.{linear}"
-            np.testing.assert_array_equal(gptq[name + ".scales"], rounded[name + ".scales"])
-            assert (gptq[name + ".qweight"] != rounded[name + ".qweight"]).any(), name
+    assert json.loads((tmp_path / "a" / "manifest.json").read_text())["build"]["int4_gptq"] is False
