@@ -120,7 +120,7 @@ class Blocks:
             scheme = self.int4_scheme if name.startswith("layers.") else "zp"
             if bits == 8:
                 self._quantized[key] = quantize_int8(w)
-            elif gram is not None and scheme == "zp":
+            elif gram is not None:  # export passes grams only for the zp scheme
                 self._quantized[key] = gptq_int4(w, gram)
             else:
                 self._quantized[key] = quantize_int4(w, scheme)

@@ -89,7 +89,8 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
     points, one op a linear layer) or "q4_1" (the GGUF Q4_1 grid, exact for Q4_1 sources,
     slower); head_bits: 8, 4 or "mixed" (the most used tokens at 8 bits, the rest at 4)
     for the vocabulary table of int4 artifacts. gptq: choose the zp int4 weights of the
-    decoder layers by GPTQ on calibration text (export/gptq.py), else round each on its own."""
+    decoder layers and the table's 4-bit rows by GPTQ on calibration text (export/gptq.py),
+    else round each on its own."""
     start = time.perf_counter()
     check_formats(precision, device, int4_scheme, head_bits)
     log(f"reading {model or 'the bundled SmolLM2-135M-Instruct'} ...")
