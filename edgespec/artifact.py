@@ -139,6 +139,11 @@ def _check_manifest(manifest, problem):
         if key in manifest:
             problem.require(manifest[key] in choices, key, manifest[key], " or ".join(choices))
     _check_draft_policy(manifest.get("draft", {}), problem)
+    costs = manifest.get("round_costs", {"1": 1.0})
+    problem.require(isinstance(costs, dict) and "1" in costs and all(
+        k.isdigit() and int(k) >= 1 and isinstance(v, (int, float)) and not isinstance(v, bool)
+        and v > 0 for k, v in costs.items()), "round_costs", costs,
+        'an object of row counts ("1", "2", ...) to positive numbers, "1" among them')
     graph = manifest.get("draft_graph", {})
     problem.require(isinstance(graph, dict) and _is_int(graph.get("vocab", 1), 1),
                     "draft_graph", graph, '{"vocab": an integer >= 1}')

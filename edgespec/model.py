@@ -218,7 +218,8 @@ class Model:
         """The scheduler of earlier generations with this policy: what it measured of the
         drafters carries over (see schedule.py)."""
         if policy not in self._schedulers:
-            self._schedulers[policy] = new_scheduler(policy)
+            self._schedulers[policy] = new_scheduler(policy,
+                                                     self.artifact.manifest.get("round_costs"))
         return self._schedulers[policy]
 
     def _prefill(self, prompt_ids, reuse_cache):

@@ -1,8 +1,8 @@
 """Self-speculative decoding: draft cheaply, verify with the full model, accept.
 
 One round, starting with the last committed token t (not yet in any cache):
-1. draft:    prompt lookup (the tokens that followed the newest n-gram before) when it
-             finds a match, else the early exit: lower(t), then up to k times: draft head
+1. draft:    prompt lookup (the tokens that followed the longest earlier match of the
+             history's end) when the scheduler expects its tokens to pay, else the early exit: lower(t), then up to k times: draft head
              on the exit state -> draft token d, lower(d). A lookup round runs lower once
              on t and all its drafts. A round may also draft nothing: a plain step.
 2. verify:   upper on the exit states of t, d_1..d_n (one call), head on its rows: the
@@ -47,8 +47,10 @@ class DraftPolicy:
             raise EdgespecError(f"invalid draft-threshold {self.threshold}: it must be in [0, 1)")
 
 
-def new_scheduler(policy: DraftPolicy) -> Scheduler:
-    return Scheduler({"exit": policy.k, "lookup": policy.lookup_k}, adaptive=policy.adaptive)
+def new_scheduler(policy: DraftPolicy, round_costs: dict = None) -> Scheduler:
+    """round_costs: rows -> a round's cost in plain steps, as the artifact measured it."""
+    return Scheduler({"exit": policy.k, "lookup": policy.lookup_k}, adaptive=policy.adaptive,
+                     round_costs=round_costs)
 
 
 def _flag(name):
@@ -136,15 +138,17 @@ class SpeculativeDecoder:
     def draft(self, token, history, budget, timer):
         """Feed `token`, then propose up to `budget` drafts; (drafter, drafts)."""
         engine, drafts = self.engine, []
-        k = self.scheduler.k("lookup", budget)
-        proposal = self.lookup.propose(history, k) if k else []
-        if proposal:
+        match = self.lookup.match(history) if self.policy.lookup_k else None
+        if match:
+            k = self.scheduler.lookup_k(match, min(budget, len(history) - match.position))
+            proposal = history[match.position:match.position + k]
+        if match and proposal:
             engine.lower([token] + proposal)
             timer.charge("draft_s")
             return "lookup", proposal
         engine.lower([token])
         timer.charge("draft_s")
-        k = self.scheduler.k("exit", budget)
+        k = self.scheduler.exit_k(budget)
         while len(drafts) < k:
             logits = engine.draft_head()
             timer.charge("head_s")

@@ -24,7 +24,7 @@ MEASURE_TOKENS = 96
 TRAIN_TOKENS = 128
 EXIT_FRACTIONS = (0.25, 0.5, 0.75)  # exit layer candidates, as fractions of the depth
 K_CANDIDATES = (1, 2, 3, 4)
-LOOKUP_K = 6
+LOOKUP_K = 12  # the most; each round's k comes from the plan (edgespec/schedule.py)
 THRESHOLDS = (0.0, 0.3, 0.6)
 SHORTLIST_COVERAGE = (0.95, 0.99)  # of the calibration replies' tokens
 MIN_COUNT_REPLIES = 48  # replies collected only to count tokens, for a given shortlist size
@@ -121,6 +121,17 @@ def measure(artifact_dir, policies: list, prompts: list, log=print) -> list:
         log(f"  {_describe(r['policy'])}: {r['speedup']:.2f}x plain, "
             f"{r['tokens_per_round']:.2f} tokens/round")
     return results
+
+
+def round_costs(artifact_dir) -> dict:
+    """What a round through lower, upper and head costs here by rows, in plain steps
+    (`edgespec bench`'s table): the scheduler plans lookup's draft lengths on it."""
+    import edgespec
+    from edgespec import bench
+
+    model = edgespec.load(artifact_dir, threads=2, verify=False)
+    ms = bench.round_costs(model)
+    return {str(rows): round(cost / ms[1], 3) for rows, cost in ms.items()}
 
 
 def plain_token_seconds(artifact_dir, prompt) -> float:

@@ -6,13 +6,14 @@ from collections import ChainMap
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 from edgespec import __version__
 from edgespec.errors import EdgespecError
 
 from edgespec.artifact import DRAFT_VOCAB
 
 from . import quality
-from .calibrate import ADAPTIVE, calibrate_draft, instructions
+from .calibrate import ADAPTIVE, calibrate_draft, instructions, round_costs
 from . import graph
 from .gptq import quantize_layers
 from .graph import ACCURACY_LEVEL, Blocks, build_draft, build_head, build_lower, build_upper
@@ -151,6 +152,9 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
             calibrate_draft(artifact, exit_layer, auto, adapter, shortlist, calibrate,
                             adapter_minutes, calibration_minutes, save_adapter, log)
         artifact.release()
+        if device == "cpu" or "CUDAExecutionProvider" in ort.get_available_providers():
+            log("measuring what verifying more rows at once costs here ...")
+            artifact.fields["round_costs"] = round_costs(partial)
         log("measuring quality against the full-precision model ...")
         artifact.fields["quality"] = quality.measure(source, partial, max_context)
         manifest = artifact.finish(time.perf_counter() - start)

@@ -120,6 +120,8 @@ FIELD_CASES = [
     ("activation_dtype", "bfloat16"), ("device", "tpu"), ("draft", []), ("draft.k", "4"),
     ("draft.adaptive", "yes"), ("files.head.data", {"bytes": "256"}),
     ("files.head.data", {"bytes": 256, "sha256": 5}), ("chat_template", "missing.jinja"),
+    ("round_costs", [1.0, 1.2]), ("round_costs", {"2": 1.2}), ("round_costs", {"1": 0}),
+    ("round_costs", {"1": 1.0, "two": 1.2}), ("round_costs", {"1": 1.0, "2": "1.2"}),
 ]
 
 
