@@ -250,6 +250,9 @@ def _summary(out, manifest, seconds, log):
         f"{'adaptive' if draft.get('adaptive') else 'fixed'}"
         + (f"; measured {max(speed):.2f}x plain on the calibration prompts" if speed else "")
         + "\n"
+        + ("  a round of M rows costs (plain steps): " + ", ".join(
+            f"{rows}: {cost:.2f}" for rows, cost in manifest["round_costs"].items()) + "\n"
+           if "round_costs" in manifest else "") +
         f"  quality on a fixed {q['tokens']}-token text: top-1 agreement {q['top1_agreement']:.3f} "
         f"with the full-precision model, perplexity {q['perplexity']:.2f} "
         f"(full precision {q['reference_perplexity']:.2f})\n"
