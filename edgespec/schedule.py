@@ -74,6 +74,7 @@ class LookupPlan:
     def forget(self):
         self.hits, self.tries = {}, {}
         self.pending = []  # the keys of the drafts of the round under way
+        self.value = 1.0  # its expected tokens per plain step's cost
 
     def rate(self, key) -> float:
         """How often such a draft token was accepted: the prior, then this text's rounds."""
@@ -92,7 +93,7 @@ class LookupPlan:
             expected += chain
             if expected / self.cost[k + 1] > best:
                 best_k, best = k, expected / self.cost[k + 1]
-        self.pending = keys[:best_k]
+        self.pending, self.value = keys[:best_k], best
         return best_k
 
     def record(self, accepted: int):
@@ -133,7 +134,18 @@ class Scheduler:
             return 0
         if not self.adaptive:
             return min(self.lookup.k_max, budget)
-        return self.lookup.k(match, budget)
+        k = self.lookup.k(match, budget)
+        if k and self.lookup.value < self._exit_value():  # the early exit earns more
+            self.lookup.pending = []
+            return 0
+        return k
+
+    def _exit_value(self) -> float:
+        """The early exit's measured speed in plain decoding's (0 while it is not drafting)."""
+        d = self.exit
+        if not self.exit_k(1) or d.seconds is None:
+            return 0.0
+        return d.tokens / d.seconds * self.plain_s
 
     def exit_k(self, budget: int) -> int:
         """How many early-exit drafts this round may make (0: do not use it)."""

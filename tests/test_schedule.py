@@ -142,3 +142,13 @@ def test_a_new_prompt_keeps_a_losing_exit_paused():
     assert scheduler.exit_k(budget=8) == 0
     scheduler.new_text()
     assert scheduler.exit_k(budget=8) == 0  # the model's early exit is still slow
+
+
+def test_lookup_leaves_a_round_to_an_early_exit_that_earns_more():
+    scheduler = Scheduler({"exit": 4, "lookup": 8}, adaptive=True, round_costs=CPU_ROWS)
+    weak, sure = Match(2, 0, "single"), Match(6, 0, "agreed")
+    assert scheduler.lookup_k(weak, budget=8) > 0  # the exit has not drafted yet
+    run_rounds(scheduler, plain_s=1.0, round_s=1.5, tokens=3, rounds=PROBE_STEPS + 2)
+    assert scheduler.exit_k(budget=8) > 0  # 2 tokens a plain step's time: it earns 2x
+    assert scheduler.lookup_k(weak, budget=8) == 0
+    assert scheduler.lookup_k(sure, budget=8) > 0  # a long agreed run earns more still
