@@ -168,8 +168,10 @@ def _draft_args(p):
                    help="the most prompt-lookup drafts per round, 0 for none (default: the "
                    "artifact's)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
-                   help="let the scheduler shrink k and pause a drafter while it measures "
-                   "slower than plain decoding (default: the artifact's, normally on)")
+                   help="choose each round's k: lookup's from its expected tokens per "
+                   "measured round cost, the early exit's from timing (paused while slower "
+                   "than plain decoding); without it every round drafts k (default: the "
+                   "artifact's, normally on)")
 
 
 def _draft(args) -> dict:

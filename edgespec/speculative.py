@@ -31,7 +31,8 @@ class DraftPolicy:
     """k: the most early-exit drafts a round (0: no early-exit drafting); threshold: stop
     drafting when the draft's top probability falls below it (0: always draft k);
     lookup_k: the most prompt-lookup drafts a round (0: no lookup); adaptive: let the
-    scheduler shrink k and pause a drafter while it measures slower than plain decoding."""
+    scheduler choose each round's k (lookup's by expected value, the early exit's by
+    timing, paused while slower than plain decoding)."""
     k: int = 4
     threshold: float = 0.0
     lookup_k: int = 0
