@@ -75,7 +75,6 @@ class LookupPlan:
     def forget(self):
         self.hits, self.tries = {}, {}
         self.pending = []  # the keys of the drafts of the round under way
-        self.value = 1.0  # its expected tokens per plain step's cost
 
     def rate(self, key) -> float:
         """How often such a draft token was accepted: the prior, then this text's rounds."""
@@ -84,17 +83,18 @@ class LookupPlan:
         return (self.hits.get(key, 0) + PRIOR_ROUNDS * prior) / \
             (self.tries.get(key, 0) + PRIOR_ROUNDS)
 
-    def k(self, match, budget: int) -> int:
-        """The k (0 for none) with the most expected committed tokens per unit of cost."""
+    def k(self, match, budget: int, beat: float = 1.0) -> int:
+        """The k with the most expected committed tokens per unit of cost, 0 when none
+        earns more than `beat` (a plain step: 1 token a step)."""
         keys = [(min(match.length + i, LONG_MATCH), match.kind if i == 0 else "single")
                 for i in range(min(self.k_max, budget))]
-        best_k, best, expected, chain = 0, 1.0, 1.0, 1.0  # a plain step: 1 token a step
+        best_k, best, expected, chain = 0, beat, 1.0, 1.0
         for k, key in enumerate(keys, 1):
             chain *= self.rate(key)  # the chance that the first k drafts are all accepted
             expected += chain
             if expected / self.cost[k + 1] > best:
                 best_k, best = k, expected / self.cost[k + 1]
-        self.pending, self.value = keys[:best_k], best
+        self.pending = keys[:best_k]
         return best_k
 
     def record(self, accepted: int):
@@ -135,11 +135,8 @@ class Scheduler:
             return 0
         if not self.adaptive:
             return min(self.lookup.k_max, budget)
-        k = self.lookup.k(match, budget)
-        if k and self.lookup.value < self._exit_value():  # the early exit earns more
-            self.lookup.pending = []
-            return 0
-        return k
+        # a round whose match earns less than the early exit measures is the exit's
+        return self.lookup.k(match, budget, beat=max(1.0, self._exit_value()))
 
     def _exit_value(self) -> float:
         """The early exit's measured speed in plain decoding's (0 while it is not drafting)."""

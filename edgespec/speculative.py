@@ -2,8 +2,9 @@
 
 One round, starting with the last committed token t (not yet in any cache):
 1. draft:    prompt lookup (the tokens that followed the longest earlier match of the
-             history's end) when the scheduler expects its tokens to pay, else the early exit: lower(t), then up to k times: draft head
-             on the exit state -> draft token d, lower(d). A lookup round runs lower once
+             history's end) when the scheduler expects its tokens to pay, else the early
+             exit: lower(t), then up to k times: draft head on the exit state -> draft
+             token d, lower(d). A lookup round runs lower once
              on t and all its drafts. A round may also draft nothing: a plain step.
 2. verify:   upper on the exit states of t, d_1..d_n (one call), head on its rows: the
              verifier's distribution after t and after every draft, the last one the bonus.
@@ -140,10 +141,10 @@ class SpeculativeDecoder:
         """Feed `token`, then propose up to `budget` drafts; (drafter, drafts)."""
         engine, drafts = self.engine, []
         match = self.lookup.match(history) if self.policy.lookup_k else None
-        if match:
-            k = self.scheduler.lookup_k(match, min(budget, len(history) - match.position))
+        k = self.scheduler.lookup_k(match, min(budget, len(history) - match.position)) \
+            if match else 0
+        if k:
             proposal = history[match.position:match.position + k]
-        if match and proposal:
             engine.lower([token] + proposal)
             timer.charge("draft_s")
             return "lookup", proposal
