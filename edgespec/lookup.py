@@ -19,6 +19,10 @@ class Match:
     kind: str      # "agreed": seen several times, always followed by the same token;
     #                "single": seen once; "split": followed by different tokens
 
+    def continuation(self, history: list, k: int) -> list:
+        """Up to k tokens of the history from the chosen continuation on: the drafts."""
+        return history[self.position:self.position + k]
+
 
 class PromptLookup:
     def __init__(self, max_ngram: int = MAX_NGRAM):
@@ -45,8 +49,3 @@ class PromptLookup:
                 kind = "split" if len(follow) > 1 else "agreed" if count > 1 else "single"
                 return Match(n, position, kind)
         return None
-
-    def propose(self, history: list, k: int) -> list:
-        """Up to k tokens of the longest match's continuation."""
-        found = self.match(history)
-        return history[found.position:found.position + k] if found else []

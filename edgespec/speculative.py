@@ -144,7 +144,7 @@ class SpeculativeDecoder:
         k = self.scheduler.lookup_k(match, min(budget, len(history) - match.position)) \
             if match else 0
         if k:
-            proposal = history[match.position:match.position + k]
+            proposal = match.continuation(history, k)
             engine.lower([token] + proposal)
             timer.charge("draft_s")
             return "lookup", proposal

@@ -6,18 +6,24 @@ from edgespec.schedule import (FIRST_PAUSE, LOOKUP_PRIOR, PROBE_STEPS, START_K, 
                                Scheduler, _costs_by_rows)
 
 
+def proposal(history, k, lookup=None):
+    """What a lookup round would draft: up to k tokens of the match's continuation."""
+    match = (lookup or PromptLookup()).match(history)
+    return match.continuation(history, k) if match else []
+
+
 def test_lookup_proposes_what_followed_the_longest_match():
     history = [1, 2, 3, 4, 5, 9, 2, 3]
-    assert PromptLookup().propose(history, k=2) == [4, 5]
+    assert proposal(history, k=2) == [4, 5]
     history = [7, 3, 4, 1, 8, 3, 4, 2, 5, 7, 3, 4]
     assert PromptLookup().match(history) == Match(3, 3, "single")  # "7 3 4" beats "3 4"
-    assert PromptLookup().propose(history, k=3) == [1, 8, 3]
+    assert proposal(history, k=3) == [1, 8, 3]
 
 
 def test_lookup_takes_the_most_frequent_continuation_then_the_latest():
     history = [3, 1, 8, 3, 1, 9, 7, 3, 1, 8, 6, 3, 1]
     assert PromptLookup().match(history) == Match(2, 9, "split")  # "3 1" -> 8 twice, 9 once
-    assert PromptLookup().propose([3, 4, 1, 3, 4, 2, 3, 4], k=1) == [2]  # a tie: the latest
+    assert proposal([3, 4, 1, 3, 4, 2, 3, 4], k=1) == [2]  # a tie: the latest
 
 
 def test_lookup_says_whether_earlier_occurrences_agreed():
@@ -28,9 +34,9 @@ def test_lookup_says_whether_earlier_occurrences_agreed():
 
 def test_lookup_proposes_nothing_without_a_match_and_grows_with_the_history():
     lookup, history = PromptLookup(), [1, 2, 3, 4]
-    assert lookup.match(history) is None and lookup.propose(history, 4) == []
+    assert lookup.match(history) is None and proposal(history, 4, lookup) == []
     history += [5, 1, 2]
-    assert lookup.propose(history, 4) == [3, 4, 5, 1]
+    assert proposal(history, 4, lookup) == [3, 4, 5, 1]
 
 
 def test_round_costs_are_interpolated_and_extended_past_the_measured_rows():
