@@ -93,13 +93,19 @@ def test_a_new_turn_prefills_only_its_new_tokens(smollm2_int4):
     messages = [{"role": "user", "content": "Name a fruit that is yellow."}]
     first = model.chat(messages, max_new_tokens=256)
     assert first.n_prefilled == first.n_prompt and first.finish_reason == "stop"
+    held = model.engine.cached_tokens()
     messages += [{"role": "assistant", "content": first.text},
                  {"role": "user", "content": "And a red one?"}]
+    ids = model.codec.encode_chat(messages)
+    # the cache holds the first prompt and the reply (its end-of-turn token, and what
+    # followed, only when prompt lookup drafted them and the verifier agreed)
+    reply_end = first.n_prompt + first.n_generated
+    assert held[:reply_end - 1] == ids[:reply_end - 1]
+    common = next((i for i, (a, b) in enumerate(zip(held, ids)) if a != b), len(held))
     second = model.chat(messages, max_new_tokens=24)
-    # the cache holds the first prompt and the reply but its end-of-turn token: the rest,
-    # that token and the new user turn, is all that runs through the model
-    cached = first.n_prompt + first.n_generated - 1
-    assert second.n_prefilled == second.n_prompt - cached
+    # all of it is reused: only the rest of the conversation runs through the model
+    assert common >= reply_end - 1
+    assert second.n_prefilled == second.n_prompt - common
     assert second.n_prefilled < 20 < second.n_prompt
     # decode steps leave the same bits in the cache as a prefill would: a continued chat
     # answers exactly as the same conversation sent afresh
