@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import EdgespecError
+from .sampling import CHAT_DEFAULTS, SAMPLING_FIELDS, SamplingParams
 
 FORMAT_VERSION = 2  # 2: attention pad rows (engine.py), int4 zero points
 MANIFEST = "manifest.json"
@@ -32,6 +33,14 @@ class Artifact:
     @property
     def exit_layer(self) -> int:
         return self.manifest["exit_layer"]
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """What replies sample with unless told otherwise: the source model's recommended
+        settings (recorded at export), else the chat defaults."""
+        if "sampling" not in self.manifest:
+            return CHAT_DEFAULTS
+        return SamplingParams(**self.manifest["sampling"])
 
     @property
     def max_context(self) -> int:
@@ -139,6 +148,7 @@ def _check_manifest(manifest, problem):
         if key in manifest:
             problem.require(manifest[key] in choices, key, manifest[key], " or ".join(choices))
     _check_draft_policy(manifest.get("draft", {}), problem)
+    _check_sampling(manifest.get("sampling", {}), problem)
     costs = manifest.get("round_costs", {"1": 1.0})
     problem.require(isinstance(costs, dict) and "1" in costs and all(
         k.isdigit() and int(k) >= 1 and isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -157,6 +167,15 @@ def _check_draft_policy(draft, problem):
             value = draft[key]
             problem.require(isinstance(value, kind) and (kind is bool or not isinstance(
                 value, bool)), f"draft.{key}", value, f"of type {_kind_name(kind)}")
+
+
+def _check_sampling(sampling, problem):
+    problem.require(isinstance(sampling, dict) and set(sampling) <= set(SAMPLING_FIELDS),
+                    "sampling", sampling, f"an object of {', '.join(SAMPLING_FIELDS)}")
+    try:
+        SamplingParams(**sampling)
+    except EdgespecError as e:
+        raise problem(f"sampling: {e}") from None
 
 
 def _kind_name(kind) -> str:

@@ -12,13 +12,15 @@ HELP = """commands:
   /help                 this list
   /reset                forget the conversation (the system message stays)
   /stats                statistics of the last reply and of the cache
-  /set NAME VALUE       change a setting: temperature, top_k, top_p, min_p,
-                        repetition_penalty, seed, max_new_tokens, draft_k,
+  /set NAME VALUE       change a setting: temperature (0 is greedy), top_k,
+                        top_p, min_p, repetition_penalty, presence_penalty,
+                        frequency_penalty, seed, max_new_tokens, draft_k,
                         draft_threshold, lookup_k, adaptive (0 or 1),
                         mode (speculative or plain)
   /exit                 leave (Ctrl-D too); Ctrl-C stops a reply and keeps the conversation"""
 SETTINGS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
-            "repetition_penalty": float, "seed": int, "max_new_tokens": int, "draft_k": int,
+            "repetition_penalty": float, "presence_penalty": float,
+            "frequency_penalty": float, "seed": int, "max_new_tokens": int, "draft_k": int,
             "draft_threshold": float, "lookup_k": int, "adaptive": lambda v: bool(int(v)),
             "mode": str}
 DRAFT_SETTINGS = ("draft_k", "draft_threshold", "lookup_k", "adaptive")
@@ -33,6 +35,12 @@ class ChatSession:
         self.model, self.settings, self.system = model, settings, system
         self.show_drafts, self.out = show_drafts, out
         self.messages, self.last = self._fresh(), None
+
+    def sampling(self, settings=None):
+        """The settings replies sample with: the model's, with those set here."""
+        given = self.settings if settings is None else settings
+        return self.model.sampling.with_options(
+            **{k: v for k, v in given.items() if k in SamplingParams.__dataclass_fields__})
 
     def _fresh(self):
         return [{"role": "system", "content": self.system}] if self.system else []
@@ -67,8 +75,7 @@ class ChatSession:
             return
         try:
             settings = {**self.settings, name: SETTINGS[name](value)}
-            sampling = {k: v for k, v in settings.items() if k in SamplingParams.__dataclass_fields__}
-            SamplingParams(**sampling)
+            self.sampling(settings)
             self.model.draft_policy(*(settings.get(name) for name in DRAFT_SETTINGS))
             if settings.get("mode", "speculative") not in ("speculative", "plain"):
                 raise EdgespecError(f"invalid mode {value}: speculative or plain")
@@ -176,7 +183,8 @@ def run(model, settings: dict, system=None, show_drafts=False):
     """The interactive loop: read a line, run a command or a turn."""
     session = ChatSession(model, settings, system, show_drafts)
     session.say(f"edgespec chat: {model.artifact.path.name} (exit layer "
-                f"{model.artifact.exit_layer}). /help for commands, Ctrl-D to leave.")
+                f"{model.artifact.exit_layer}; {session.sampling().describe()}). /help for "
+                "commands, Ctrl-D to leave.")
     while True:
         try:
             line = input("you> ").strip()

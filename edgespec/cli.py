@@ -118,13 +118,24 @@ def _generate_args(sub, common):
 
 
 def _sampling_args(p):
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
-    p.add_argument("--min-p", type=float, default=0.0,
+    g = p.add_argument_group(
+        "sampling", "Settings not given are the model's: those its checkpoint recommends "
+        "(generation_config.json), else temperature 0.8, top-k 40, top-p 0.9, repetition "
+        "penalty 1.1. --temperature 0 is greedy.")
+    g.add_argument("--temperature", type=float, help="0 is greedy")
+    g.add_argument("--top-k", type=int, help="keep the k likeliest tokens (0: off)")
+    g.add_argument("--top-p", type=float, help="keep the likeliest tokens whose mass reaches "
+                   "this, in (0, 1] (1: off)")
+    g.add_argument("--min-p", type=float,
                    help="drop tokens below min-p times the likeliest (0: off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 (default) is off")
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    g.add_argument("--repetition-penalty", type=float,
+                   help="divide the logits of tokens already in the conversation (1: off)")
+    g.add_argument("--presence-penalty", type=float,
+                   help="subtract from the logits of tokens already in it, in [-2, 2] (0: off)")
+    g.add_argument("--frequency-penalty", type=float,
+                   help="subtract this times a token's count so far, in [-2, 2] (0: off)")
+    g.add_argument("--seed", type=int, help="seed: the same seed gives the same reply, "
+                   "speculative or plain (default: a fresh one each reply)")
 
 
 def _chat_args(sub, common):
@@ -147,7 +158,7 @@ def _chat(args):
     from .sampling import SamplingParams
     settings = {**_sampling(args), "max_new_tokens": args.max_new_tokens,
                 "mode": "plain" if args.plain else "speculative"}
-    SamplingParams(**_sampling(args))  # refuse bad values before loading
+    SamplingParams().with_options(**_sampling(args))  # refuse bad values before loading
     if args.max_new_tokens < 1:
         raise EdgespecError(f"invalid max-new-tokens {args.max_new_tokens}: it must be >= 1")
     model = _load(args)
@@ -332,6 +343,7 @@ def _auto_or(kind):
 
 
 def _generate(args):
+    from .sampling import SamplingParams
     from .speculative import SpecStats
     model = _load(args)
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
@@ -345,15 +357,18 @@ def _generate(args):
     if result.finish_reason == "context_full":
         print(f"[stopped: the context of {model.engine.max_context} tokens is full]",
               file=sys.stderr)
+    sampling = SamplingParams(**result.sampling)
     print(f"[{result.n_prompt} prompt tokens, {result.n_generated} generated, "
-          f"{result.decode_tokens_per_s:.1f} tokens/s, {result.mode}]", file=sys.stderr)
+          f"{result.decode_tokens_per_s:.1f} tokens/s, {result.mode}; {sampling.describe()}"
+          f"{'' if sampling.greedy else f', seed {sampling.seed}'}]", file=sys.stderr)
     if args.stats and result.mode == "speculative":
         print(SpecStats.from_dict(result.stats).line(), file=sys.stderr)
 
 
 def _sampling(args) -> dict:
-    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    """The sampling settings given on the command line (None: the model's)."""
+    from .sampling import SAMPLING_FIELDS
+    return {name: getattr(args, name) for name in (*SAMPLING_FIELDS, "seed")}
 
 
 def parser():

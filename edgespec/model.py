@@ -6,7 +6,7 @@ from .artifact import open_artifact
 from .decode import plain_rounds
 from .engine import ContextFull, Engine
 from .errors import EdgespecError
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler
 from .speculative import DraftPolicy, SpecStats, SpeculativeDecoder, new_scheduler
 from .tokenizer import StreamDecoder, TextCodec
 
@@ -28,6 +28,7 @@ class Generation:
     finish_reason: str
     stats: dict = field(default_factory=dict)
     n_prefilled: int = 0  # prompt tokens run through the model (the rest came from the cache)
+    sampling: dict = field(default_factory=dict)  # the settings it sampled with, seed included
 
     @property
     def n_generated(self) -> int:
@@ -103,6 +104,7 @@ class Model:
         self.engine = Engine(self.artifact, device=device, threads=threads)
         self.codec = TextCodec.for_artifact(self.artifact)
         self.stop_ids = set(self.artifact.eos_token_ids)
+        self.sampling = self.artifact.sampling  # settings a call does not give come from here
         self._schedulers = {}  # draft policy -> its scheduler, kept across generations
 
     def encode(self, prompt: str, raw: bool = False, system: str = None) -> list:
@@ -116,8 +118,10 @@ class Model:
                  system: str = None, mode: str = "speculative", on_text=None,
                  **options) -> Generation:
         """Reply to `prompt` (chat template applied unless raw). `on_text` gets text pieces as
-        they are decoded. Options: temperature, top_k, top_p, min_p, repetition_penalty, seed
-        (see SamplingParams); draft_k, draft_threshold (see DraftPolicy)."""
+        they are decoded. Options: temperature, top_k, top_p, min_p, repetition_penalty,
+        presence_penalty, frequency_penalty, seed (see SamplingParams; those not given, or
+        None, are the model's `sampling`); draft_k, draft_threshold, lookup_k, adaptive (see
+        DraftPolicy)."""
         return self.generate_ids(self.encode(prompt, raw, system), max_new_tokens, mode,
                                  on_text, **options)
 
@@ -167,7 +171,7 @@ class Model:
         same conversation sent afresh. Without reuse_cache every call starts from an empty
         cache.
         ignore_eos generates max_new_tokens even past end-of-turn tokens (for load tests)."""
-        params = SamplingParams(**sampling)
+        params = self.sampling.with_options(**sampling)
         policy = self.draft_policy(draft_k, draft_threshold, lookup_k, adaptive)
         if mode not in MODES:
             raise EdgespecError(f"unknown mode {mode}; available: {', '.join(MODES)}")
@@ -179,11 +183,12 @@ class Model:
         prefill_s = time.perf_counter() - start
         history, stream, stats = list(prompt_ids), StreamDecoder(self.codec), SpecStats()
         if mode == "plain":
-            rounds = plain_rounds(self.engine, Sampler(params), first_logits, history,
-                                  max_new_tokens)
+            sampler = Sampler(params)
+            rounds = plain_rounds(self.engine, sampler, first_logits, history, max_new_tokens)
         else:
             decoder = SpeculativeDecoder(self.engine, params, policy, stats,
                                          self._scheduler(policy))
+            sampler = decoder.sampler
             rounds = decoder.rounds(first_logits, history, max_new_tokens)
         tokens, finish, stop_ids = [], None, set() if ignore_eos else self.stop_ids
         drafted = False  # of the tokens whose text is still held (an incomplete character)
@@ -212,7 +217,8 @@ class Model:
         return Generation(self.codec.decode(tokens), tokens, len(prompt_ids), prefill_s,
                           decode_s, mode, finish or "length",
                           stats.to_dict() if mode == "speculative" else {},
-                          n_prefilled=len(prompt_ids) - reused)
+                          n_prefilled=len(prompt_ids) - reused,
+                          sampling={**asdict(params), "seed": sampler.seed})
 
     def _scheduler(self, policy):
         """The scheduler of earlier generations with this policy: what it measured of the

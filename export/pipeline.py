@@ -141,6 +141,7 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
             "eos_token_ids": source.eos_token_ids,
             "bos_token_id": source.bos_token_id,
             "chat_template": "chat_template.jinja",
+            **({"sampling": source.sampling} if source.sampling else {}),
             "build": {"edgespec": __version__, "int4_block_size": BLOCK, "int4_gptq": gptq,
                       "int4_accuracy_level": ACCURACY_LEVEL, "int4_scheme": int4_scheme,
                       "head_bits": head_bits, **({"head_8bit_tokens": graph.FREQUENT_TOKENS}

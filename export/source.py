@@ -8,6 +8,7 @@ The full-precision reference model (transformers) is built only when something a
 """
 import hashlib
 import importlib.util
+import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ import numpy as np
 
 from edgespec.artifact import sha256_file
 from edgespec.errors import EdgespecError
+from edgespec.sampling import SamplingParams
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,6 +67,7 @@ class SourceModel:
     chat_template: str
     eos_token_ids: list
     bos_token_id: int = None
+    sampling: dict = field(default_factory=dict)  # recommended settings (none in a GGUF)
     build_reference: object = None  # () -> the full-precision transformers model
     # () -> the same model holding one decoder layer's weights at a time (GGUF sources)
     build_streamed_reference: object = None
@@ -202,11 +205,38 @@ def load_source(model=None) -> SourceModel:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos.append(tokenizer.eos_token_id)
     return SourceModel(name=name, origin=str(model), sha256=_sha256_files(files), arch=arch,
-                       weights=weights, tokenizer=tokenizer,
+                       weights=weights, tokenizer=tokenizer, sampling=recommended_sampling(where),
                        chat_template=tokenizer.chat_template or "",
                        eos_token_ids=[int(e) for e in eos],
                        bos_token_id=getattr(config, "bos_token_id", None),
                        build_reference=lambda: torch_model)
+
+
+# What transformers samples with when a generation config turns sampling on and leaves a
+# field out
+HF_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0,
+               "repetition_penalty": 1.0}
+
+
+def recommended_sampling(checkpoint) -> dict:
+    """The sampling settings a checkpoint's generation_config.json recommends: its own
+    (transformers' defaults for those it leaves out) when it samples, greedy when it says
+    do_sample false, none ({}) when it says neither or is not valid."""
+    file = Path(checkpoint) / "generation_config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict) or config.get("do_sample") not in (True, False):
+        return {}
+    if config["do_sample"] is False:
+        return {"temperature": 0.0}
+    given = {k: (config[k] if config.get(k) is not None else v) for k, v in HF_SAMPLING.items()}
+    try:
+        SamplingParams(**given)
+    except (EdgespecError, TypeError):
+        return {}
+    return given
 
 
 def open_gguf(path):

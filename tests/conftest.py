@@ -1,4 +1,8 @@
 """Shared fixtures: tiny random checkpoints and their artifacts, and the real SmolLM2 ones."""
+import os
+import shutil
+import subprocess
+
 import pytest
 from helpers import make_checkpoint, quiet
 
@@ -63,3 +67,27 @@ def smollm2_reference(smollm2_gguf):
     return AutoModelForCausalLM.from_pretrained(
         smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
 
+
+@pytest.fixture(scope="session")
+def display():
+    """An Xvfb screen for Tk windows, one for the session (Tk keeps to the display it first
+    opened; the CI installs xvfb)."""
+    if shutil.which("Xvfb") is None:
+        pytest.fail("Xvfb is not installed: apt-get install xvfb (make test does)")
+    read, write = os.pipe()  # Xvfb picks a free display and writes its number here
+    server = subprocess.Popen(["Xvfb", "-displayfd", str(write), "-screen", "0", "800x600x24",
+                               "-nolisten", "tcp"], pass_fds=[write],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        number = pipe.readline().strip()
+    assert number, "Xvfb did not start"
+    previous = os.environ.get("DISPLAY")
+    os.environ["DISPLAY"] = f":{number}"
+    yield os.environ["DISPLAY"]
+    server.terminate()
+    server.wait(5)
+    if previous is None:
+        del os.environ["DISPLAY"]
+    else:
+        os.environ["DISPLAY"] = previous

@@ -16,6 +16,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
 from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig,
                           PreTrainedTokenizerFast, Qwen2Config)
 
+from export.source import HF_SAMPLING
+
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TEXT = ["the quick brown fox jumps over the lazy dog", "speculative decoding drafts and verifies",
@@ -36,6 +38,7 @@ def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return fast
 
 
+GREEDY = {"do_sample": False}
 GEMMA3_WINDOW = 8
 GEMMA3_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
@@ -43,7 +46,10 @@ GEMMA3_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 1000000.
 
 def make_checkpoint(path: Path, arch: str = "llama", tie: bool = True, layers: int = 4,
                     seed: int = 0, max_positions: int = 512, rope: dict = None,
-                    intermediate_size: int = 128, **config_overrides) -> Path:
+                    intermediate_size: int = 128, generation: dict = GREEDY,
+                    **config_overrides) -> Path:
+    """A random checkpoint. generation: what its generation_config.json says of sampling
+    (greedy by default, so the tests' replies are comparable; None: nothing)."""
     torch.manual_seed(seed)
     tokenizer = make_tokenizer(384)
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=intermediate_size,
@@ -64,6 +70,10 @@ def make_checkpoint(path: Path, arch: str = "llama", tie: bool = True, layers: i
             p.mul_(8.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    config_file = path / "generation_config.json"
+    saved = json.loads(config_file.read_text()) if config_file.exists() else {}
+    saved = {k: v for k, v in saved.items() if k not in ("do_sample", *HF_SAMPLING)}
+    config_file.write_text(json.dumps({**saved, **(generation or {})}))
     return path
 
 
@@ -228,3 +238,13 @@ def wait_threads(process, at_most, timeout=15):
         assert time.monotonic() < deadline, \
             f"the server still runs {server_threads(process)} threads, {at_most} when idle"
         time.sleep(0.05)
+
+
+def pump(root, until, timeout=30):
+    """Run the Tk loop until `until()` is true."""
+    deadline = time.time() + timeout
+    while not until() and time.time() < deadline:
+        root.update()
+        time.sleep(0.002)
+    root.update()
+    assert until(), f"not done within {timeout} s"

@@ -91,7 +91,7 @@ def test_ctrl_c_stops_a_reply_and_keeps_the_conversation(smollm2_int4):
 def test_a_new_turn_prefills_only_its_new_tokens(smollm2_int4):
     model = edgespec.load(smollm2_int4)
     messages = [{"role": "user", "content": "Name a fruit that is yellow."}]
-    first = model.chat(messages, max_new_tokens=256)
+    first = model.chat(messages, max_new_tokens=256, seed=0)
     assert first.n_prefilled == first.n_prompt and first.finish_reason == "stop"
     held = model.engine.cached_tokens()
     messages += [{"role": "assistant", "content": first.text},
@@ -102,14 +102,14 @@ def test_a_new_turn_prefills_only_its_new_tokens(smollm2_int4):
     reply_end = first.n_prompt + first.n_generated
     assert held[:reply_end - 1] == ids[:reply_end - 1]
     common = next((i for i, (a, b) in enumerate(zip(held, ids)) if a != b), len(held))
-    second = model.chat(messages, max_new_tokens=24)
+    second = model.chat(messages, max_new_tokens=24, seed=1)
     # all of it is reused: only the rest of the conversation runs through the model
     assert common >= reply_end - 1
     assert second.n_prefilled == second.n_prompt - common
     assert second.n_prefilled < 20 < second.n_prompt
     # decode steps leave the same bits in the cache as a prefill would: a continued chat
-    # answers exactly as the same conversation sent afresh
-    fresh = edgespec.load(smollm2_int4).chat(messages, max_new_tokens=24)
+    # answers exactly as the same conversation sent afresh (with the same seed)
+    fresh = edgespec.load(smollm2_int4).chat(messages, max_new_tokens=24, seed=1)
     assert fresh.n_prefilled == fresh.n_prompt and fresh.tokens == second.tokens
 
 

@@ -1,5 +1,4 @@
 """The desktop example: a Tk window on a virtual screen embeds the runtime and streams a reply."""
-import os
 import re
 import shutil
 import subprocess
@@ -8,40 +7,7 @@ import time
 import pytest
 
 import edgespec
-
-
-@pytest.fixture(scope="module")
-def display():
-    """An Xvfb screen for the window (the CI installs xvfb)."""
-    if shutil.which("Xvfb") is None:
-        pytest.fail("Xvfb is not installed: apt-get install xvfb (make test does)")
-    read, write = os.pipe()  # Xvfb picks a free display and writes its number here
-    server = subprocess.Popen(["Xvfb", "-displayfd", str(write), "-screen", "0", "800x600x24",
-                               "-nolisten", "tcp"], pass_fds=[write],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        number = pipe.readline().strip()
-    assert number, "Xvfb did not start"
-    previous = os.environ.get("DISPLAY")
-    os.environ["DISPLAY"] = f":{number}"
-    yield os.environ["DISPLAY"]
-    server.terminate()
-    server.wait(5)
-    if previous is None:
-        del os.environ["DISPLAY"]
-    else:
-        os.environ["DISPLAY"] = previous
-
-
-def pump(root, until, timeout=30):
-    """Run the Tk loop until `until()` is true."""
-    deadline = time.time() + timeout
-    while not until() and time.time() < deadline:
-        root.update()
-        time.sleep(0.002)
-    root.update()
-    assert until(), f"not done within {timeout} s"
+from helpers import pump
 
 
 def shown(pieces) -> str:

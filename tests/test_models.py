@@ -81,7 +81,7 @@ def test_reply_is_on_topic(model):
     prompt, word = MODELS[name][5:]
     raw = prompt.startswith("raw:")  # plain text for a base model, else one chat turn
     reply = edgespec.load(artifact).generate(prompt.removeprefix("raw:"), max_new_tokens=48,
-                                             raw=raw)
+                                             raw=raw, temperature=0)
     assert word in reply.text, reply.text
 
 
@@ -91,6 +91,6 @@ def test_speculative_greedy_equals_plain_on_dev_prompts(model):
     loaded = edgespec.load(artifact)
     for row, k in zip(load_prompts(per_category=1)[:6], [2, 4, 6, 3, 5, 1]):
         ids = loaded.encode(row["turns"][0])
-        plain = loaded.generate_ids(ids, 96, mode="plain")
-        spec = loaded.generate_ids(ids, 96, draft_k=k)
+        plain = loaded.generate_ids(ids, 96, mode="plain", temperature=0)
+        spec = loaded.generate_ids(ids, 96, draft_k=k, temperature=0)
         assert spec.tokens == plain.tokens, f"prompt {row['question_id']} ({row['category']}), k {k}"

@@ -39,7 +39,8 @@ def test_top_k_top_p_and_min_p_cut_the_tail():
 
 def test_repetition_penalty_lowers_tokens_already_seen():
     logits = np.array([2.0, -1.0, 0.5], dtype=np.float32)
-    np.testing.assert_allclose(penalize(logits, [0, 1], 2.0), [1.0, -2.0, 0.5])
+    np.testing.assert_allclose(penalize(logits, [0, 1], SamplingParams(repetition_penalty=2.0)),
+                               [1.0, -2.0, 0.5])
     assert Sampler(SamplingParams(repetition_penalty=10.0))(LOGITS, [0]) == 1
 
 
@@ -83,3 +84,76 @@ def test_top_p_on_a_large_vocabulary_keeps_the_smallest_set_reaching_p(spread):
     needed = np.searchsorted(np.cumsum(full[order]), 0.9) + 1
     assert np.count_nonzero(p) == needed
     assert set(np.flatnonzero(p)) == set(order[:needed])
+
+
+def reference_distribution(logits, history, params):
+    """The chain written plainly in float64 over the whole vocabulary: penalties,
+    temperature, top-k, softmax, top-p, min-p."""
+    z = logits.astype(np.float64)
+    if len(history):
+        seen, counts = np.unique(np.asarray(history), return_counts=True)
+        r = params.repetition_penalty
+        z[seen] = np.where(z[seen] > 0, z[seen] / r, z[seen] * r)
+        z[seen] -= params.presence_penalty + params.frequency_penalty * counts
+    z = z / params.temperature
+    if 0 < params.top_k < z.size:
+        z[z < np.sort(z)[-params.top_k]] = -np.inf
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if params.top_p < 1:
+        order = np.argsort(-p, kind="stable")
+        kept = order[:np.searchsorted(np.cumsum(p[order]), params.top_p) + 1]
+        p = np.where(np.isin(np.arange(p.size), kept), p, 0.0)
+    p[p < params.min_p * p.max()] = 0.0
+    return p / p.sum()
+
+
+def test_the_fast_chain_equals_the_plain_one_for_every_filter_and_penalty():
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        vocab = int(rng.choice([7, 300, 49152]))
+        logits = (rng.normal(size=vocab) * rng.choice([0.3, 2, 5])).astype(np.float32)
+        history = list(rng.integers(0, vocab, rng.integers(0, 40)))
+        params = SamplingParams(
+            temperature=float(rng.choice([0.3, 0.8, 1.5])), top_k=int(rng.choice([0, 1, 5, 40])),
+            top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0, 0.05])),
+            repetition_penalty=float(rng.choice([1.0, 1.3, 0.8])),
+            presence_penalty=float(rng.choice([0, 0.5, -1])),
+            frequency_penalty=float(rng.choice([0, 0.4, -0.3])))
+        fast, plain = distribution(logits, history, params), reference_distribution(
+            logits, history, params)
+        # the same tokens kept (a float32 weight below 1e-38 of the likeliest rounds to 0)
+        assert set(np.flatnonzero(fast)) <= set(np.flatnonzero(plain)), (trial, params)
+        assert set(np.flatnonzero(fast > 1e-30)) == set(np.flatnonzero(plain > 1e-30))
+        np.testing.assert_allclose(fast, plain, atol=1e-6, err_msg=str(params))
+
+
+def test_presence_and_frequency_penalties_subtract_per_seen_token_and_per_occurrence():
+    logits = np.array([2.0, 1.0, 0.5, 0.0], dtype=np.float32)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    np.testing.assert_allclose(penalize(logits, [0, 0, 0, 2], params), [0.75, 1.0, -0.25, 0.0])
+
+
+def test_pending_drafts_count_for_the_penalty_then_leave_no_trace():
+    logits = np.array([2.0, 1.9, 0.0], dtype=np.float32)
+    sampler = Sampler(SamplingParams(repetition_penalty=1.5))
+    assert sampler(logits, [2], pending=[0]) == 1  # 0 is pending: penalized
+    assert sampler(logits, [2]) == 0  # and forgotten once the round is over
+
+
+def test_draws_from_the_tail_of_an_unfiltered_vocabulary_keep_its_distribution():
+    # a few likely tokens and thousands of unlikely ones: about a fifth of the mass lies in
+    # the tail that the sampler orders by id instead of sorting
+    logits = np.full(5000, -9.0, dtype=np.float32)
+    logits[:4] = [0.0, -0.5, -1.0, -1.5]
+    p = distribution(logits, [], SamplingParams(temperature=1.0))
+    n = 20000
+    draws = np.array([Sampler(SamplingParams(temperature=1.0, seed=s))(logits, [])
+                      for s in range(n)])
+    observed = [np.sum(draws == t) for t in range(4)] + [np.sum(draws >= 4)]
+    expected = n * np.append(p[:4], p[4:].sum())
+    assert expected[-1] > 0.1 * n
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    assert chi2 < 18.47  # 4 degrees of freedom, p = 0.001
+    # the tail's draws spread over its tokens, not piled on a few
+    assert len(set(draws[draws >= 4])) > 0.5 * min(4996, np.sum(draws >= 4))

@@ -83,7 +83,7 @@ def test_a_stop_string_ends_the_reply(client):
 
 @pytest.mark.parametrize("args, param", [
     (dict(temperature=-1), "temperature"), (dict(top_p=1.5), "top_p"), (dict(n=2), "n"),
-    (dict(max_tokens=0), "max_tokens"), (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(max_tokens=0), "max_tokens"), (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(max_completion_tokens=0), "max_completion_tokens"), (dict(seed=-1), "seed"),
     (dict(seed=2**63), "seed"),
 ])

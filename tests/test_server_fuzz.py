@@ -33,8 +33,8 @@ INVALID = {
     "stream": ["yes", 1, [], {}, "true"],
     "stream_options": ["yes", 5, [], {"include_usage": "yes"}, {"include_usage": 1}],
     "n": [2, 0, "x", -1, 1.5],
-    "presence_penalty": [0.5, "x", []],
-    "frequency_penalty": [-0.5, {}],
+    "presence_penalty": [2.5, "x", []],
+    "frequency_penalty": [-2.5, {}],
     "mode": ["turbo", 5, [], {}, "", "PLAIN"],
     "ignore_eos": [True, "x", 1],  # refused: the server runs without --allow-ignore-eos
 }

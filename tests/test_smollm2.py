@@ -49,7 +49,7 @@ def test_chat_template_encoding_matches_transformers(fp32, smollm2_gguf):
 def test_fp32_artifact_greedy_equals_transformers_for_64_tokens(fp32, continuations):
     fp32.stop_ids = set()
     for ids, want in continuations:
-        assert fp32.generate_ids(ids, max_new_tokens=64).tokens == want
+        assert fp32.generate_ids(ids, max_new_tokens=64, temperature=0).tokens == want
 
 
 def test_int4_top1_agrees_with_fp32_along_its_continuations(smollm2_int4, fp32, continuations):
@@ -97,8 +97,8 @@ def test_int4_speculative_greedy_equals_plain_on_bench_prompts(smollm2_int4):
     rows = load_prompts(per_category=1)[:8]
     for row, k in zip(rows, [2, 4, 6, 3, 5, 2, 4, 6]):
         ids = model.encode(row["turns"][0])
-        plain = model.generate_ids(ids, 128, mode="plain")
-        spec = model.generate_ids(ids, 128, draft_k=k)
+        plain = model.generate_ids(ids, 128, mode="plain", temperature=0)
+        spec = model.generate_ids(ids, 128, draft_k=k, temperature=0)
         assert spec.tokens == plain.tokens, f"prompt {row['question_id']} ({row['category']}), k {k}"
 
 
@@ -122,7 +122,7 @@ def test_shipped_adapter_drafts_closer_to_the_verifier_than_the_raw_exit(drafted
     engine, hits, n = drafted.engine, {"raw": 0, "adapter": 0}, 0
     for text in PROMPTS:
         ids = drafted.encode(text)
-        reply = drafted.generate_ids(ids, 64, mode="plain").tokens
+        reply = drafted.generate_ids(ids, 64, mode="plain", temperature=0).tokens
         engine.reset()
         engine.prefill(ids)
         for token in reply[:-1]:
@@ -139,6 +139,7 @@ def test_hybrid_drafting_with_the_adapter_is_lossless_on_bench_prompts(drafted):
     from edgespec.bench import load_prompts
     for i, row in enumerate(load_prompts(per_category=1)[:8]):
         ids = drafted.encode(row["turns"][0])
-        plain = drafted.generate_ids(ids, 128, mode="plain")
-        spec = drafted.generate_ids(ids, 128, draft_k=1 + i % 4, lookup_k=6, adaptive=i % 2 == 0)
+        plain = drafted.generate_ids(ids, 128, mode="plain", temperature=0)
+        spec = drafted.generate_ids(ids, 128, draft_k=1 + i % 4, lookup_k=6, adaptive=i % 2 == 0,
+                                    temperature=0)
         assert spec.tokens == plain.tokens, f"prompt {row['question_id']} ({row['category']})"

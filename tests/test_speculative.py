@@ -10,7 +10,7 @@ from helpers import make_checkpoint, quiet
 
 import edgespec
 from edgespec.errors import EdgespecError
-from edgespec.sampling import SamplingParams, distribution
+from edgespec.sampling import SAMPLING_FIELDS, SamplingParams, distribution
 from edgespec.speculative import DraftPolicy, SpecStats, SpeculativeDecoder
 from export.pipeline import export_model
 
@@ -106,14 +106,16 @@ def exact_joint(model, ids, params, length):
     return table
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=3),
-                                    SamplingParams(temperature=0.9, top_k=4, top_p=0.95,
-                                                   min_p=0.02, repetition_penalty=1.2)])
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_k=3),
+    SamplingParams(temperature=0.9, top_k=4, top_p=0.95, min_p=0.02, repetition_penalty=1.2),
+    SamplingParams(temperature=0.5, top_p=0.6, presence_penalty=0.8, frequency_penalty=0.5),
+    SamplingParams(temperature=1.0, min_p=0.2, repetition_penalty=1.5),
+])
 def test_speculative_sampling_has_the_verifiers_joint_distribution(tiny_model, params):
     ids, length, n = prompt(7), 3, 3000
     expected = exact_joint(tiny_model, ids, params, length)
-    options = {f: getattr(params, f) for f in ("temperature", "top_k", "top_p", "min_p",
-                                               "repetition_penalty")}
+    options = {f: getattr(params, f) for f in SAMPLING_FIELDS}
     counts = {}
     for seed in range(n):
         path = tuple(tiny_model.generate_ids(ids, length, seed=seed, draft_k=3, **options).tokens)
@@ -121,10 +123,15 @@ def test_speculative_sampling_has_the_verifiers_joint_distribution(tiny_model, p
     assert_same_distribution(counts, expected, n)
 
 
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.1),
+    dict(temperature=0.7),  # every token may be drawn: the tail of the vocabulary too
+    dict(temperature=1.2, top_p=0.8, frequency_penalty=0.6),
+    dict(temperature=0.8, min_p=0.05, presence_penalty=-0.5, repetition_penalty=0.9),
+])
 @pytest.mark.parametrize("options", [dict(draft_k=3), dict(draft_k=2, lookup_k=4),
                                      dict(draft_k=4, lookup_k=6, adaptive=True)])
-def test_sampled_speculative_equals_plain_with_the_same_seed(tiny_model, options):
-    params = dict(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.1)
+def test_sampled_speculative_equals_plain_with_the_same_seed(tiny_model, options, params):
     drafted = 0
     for seed in range(6):
         ids = repetitive_prompt(200 + seed)

@@ -35,6 +35,7 @@ class ChatWindow:
         self.options = options
         self.messages, self.pieces, self.busy = [], queue.Queue(), False
         self.reply = []  # the text pieces of the last reply, as shown
+        self.last = None  # the last reply's Generation
         self.stopping = threading.Event()  # set by Stop, read by the worker between pieces
         root.title(f"edgespec - {model.artifact.path.name}")
         self.log = scrolledtext.ScrolledText(root, wrap="word", state="disabled", width=72,
@@ -111,6 +112,7 @@ class ChatWindow:
             self.messages.pop()  # no reply: the next message must not follow it unanswered
             self.status.configure(text=f"error: {result} (that message was not kept)")
         else:  # a stopped reply stays as far as it was shown, so the next turn answers that
+            self.last = result
             text = "".join(self.reply) if result.finish_reason == "cancelled" else result.text
             self.messages.append({"role": "assistant", "content": text})
             self.status.configure(text=stats_line(result))

@@ -6,7 +6,7 @@ import uuid
 
 from edgespec.errors import EdgespecError
 from edgespec.model import MODES
-from edgespec.sampling import SamplingParams
+from edgespec.sampling import SAMPLING_FIELDS, SamplingParams
 
 
 class BadRequest(Exception):
@@ -96,23 +96,17 @@ def generation_options(body: dict, allow_ignore_eos: bool = False, max_tokens: i
     context)."""
     if _number(body, "n", 1, integer=True) != 1:
         raise BadRequest("only n = 1 is supported", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0):
-            raise BadRequest(f"{name} is not supported; use repetition_penalty", name)
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)):
         raise BadRequest("stop must be a string or a list of up to 4 non-empty strings", "stop")
-    sampling = {"temperature": _number(body, "temperature", 1.0),
-                "top_p": _number(body, "top_p", 1.0),
-                "top_k": _number(body, "top_k", 0, integer=True),
-                "min_p": _number(body, "min_p", 0.0),
-                "repetition_penalty": _number(body, "repetition_penalty", 1.0),
-                "seed": _number(body, "seed", None, integer=True)}
-    if sampling["temperature"] > 2:
+    # a field the request leaves out (or null) is the model's default (Model.sampling)
+    sampling = {name: _number(body, name, None, integer=name in ("top_k", "seed"))
+                for name in (*SAMPLING_FIELDS, "seed")}
+    if (sampling["temperature"] or 0) > 2:
         raise BadRequest("temperature must be in [0, 2]", "temperature")
     try:
-        SamplingParams(**sampling)
+        SamplingParams().with_options(**sampling)
     except EdgespecError as e:
         raise BadRequest(str(e)) from e
     ignore_eos = _flag(body, "ignore_eos")
@@ -121,6 +115,11 @@ def generation_options(body: dict, allow_ignore_eos: bool = False, max_tokens: i
                          "context); start it with --allow-ignore-eos", "ignore_eos")
     return {"max_new_tokens": _max_new_tokens(body, max_tokens), "stop": stop,
             "sampling": sampling, "ignore_eos": ignore_eos, "mode": _mode(body)}
+
+
+def sampling_defaults(model) -> dict:
+    """What a request that leaves sampling fields out samples with (the chat page shows it)."""
+    return {name: getattr(model.sampling, name) for name in SAMPLING_FIELDS}
 
 
 def stream_settings(body: dict) -> tuple:

@@ -166,7 +166,8 @@ class Handler(BaseHTTPRequestHandler):
             return
         if route == "/v1/models":
             self._json(200, {"object": "list", "data": [
-                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "edgespec"}]})
+                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "edgespec",
+                 "sampling": api.sampling_defaults(self.worker.model)}]})
         elif route == "/metrics":
             text = self.metrics.render(self.worker.jobs.qsize(), self.worker.jobs.maxsize,
                                        self.worker.busy)

@@ -3,7 +3,8 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "mode"];
+const SAMPLING = ["temperature", "top_k", "top_p", "repetition_penalty"];
+const SETTINGS = ["system", ...SAMPLING, "max_tokens", "mode"];
 const state = { messages: [], controller: null, model: "edgespec" };
 
 function authHeaders() {
@@ -25,6 +26,10 @@ async function loadModel() {
     }
     const body = await response.json();
     state.model = body.data[0].id;
+    const defaults = body.data[0].sampling || {};
+    for (const id of SAMPLING) {  // a blank field is left out of requests: the default
+      if (defaults[id] !== undefined) $(id).placeholder = String(defaults[id]);
+    }
     $("model").textContent = state.model;
     setStatus("");
   } catch (error) {
@@ -57,7 +62,9 @@ function requestBody() {
                           : state.messages;
   return {
     model: state.model, messages, stream: true, stream_options: { include_usage: true },
-    temperature: number("temperature", parseFloat), top_p: number("top_p", parseFloat),
+    temperature: number("temperature", parseFloat), top_k: number("top_k", (v) => parseInt(v, 10)),
+    top_p: number("top_p", parseFloat),
+    repetition_penalty: number("repetition_penalty", parseFloat),
     max_tokens: number("max_tokens", (v) => parseInt(v, 10)), mode: $("mode").value,
   };
 }
