@@ -1,13 +1,15 @@
 """edgespec side by side with onnxruntime-genai, in one process, prompt by prompt.
 
 Both engines get the same token ids (the first turn of each prompt through the artifact's chat
-template), greedy, the same number of new tokens with end-of-turn ignored, the same thread
-count. Per prompt, every mode runs once per repeat, the modes interleaved, so drift of the
+template), the same sampling settings (--sampling: greedy, the artifact's defaults, or given;
+seeded per prompt and run), the same number of new tokens with end-of-turn ignored, the same
+thread count. Per prompt, every mode runs once per repeat, the modes interleaved, so drift of the
 machine hits all of them alike; a run during which other processes used the CPU is redone.
 decode tok/s = (n - 1) / (time of the last token - time of the first): prefill excluded.
 
 Modes: plain and spec (edgespec's plain and default speculative decoding), genai (plain
-int4) and genai-ngram (its n-gram speculative decoding, ngram 3, k 4). --quality instead
+int4) and genai-ngram (its n-gram speculative decoding, ngram 3, k 4), all with the settings
+of --sampling; greedy-plain is edgespec's plain greedy decoding whatever --sampling says. --quality instead
 scores genai's model on export's quality passage, beside the artifact's own numbers.
 
 Needs a venv with edgespec and onnxruntime-genai, and genai's int4 model of the same
@@ -16,6 +18,9 @@ weights; `make peers` makes both (.venv-peers, models/peers/genai-int4), then:
     .venv-peers/bin/python benchmarks/peers.py models/smollm2-135m-instruct \\
         --per-category 2 --repeat 3 --threads 2     # or: make peers-bench
     .venv-peers/bin/python benchmarks/peers.py models/smollm2-135m-instruct --quality
+    .venv-peers/bin/python benchmarks/peers.py models/smollm2-135m-instruct \
+        --sampling temperature=0.8,top_k=40,top_p=0.9,repetition_penalty=1.1 \
+        --modes spec,plain,genai,greedy-plain
 """
 import argparse
 import json
@@ -23,16 +28,19 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import edgespec  # noqa: E402
+from edgespec.sampling import SAMPLING_FIELDS, SamplingParams  # noqa: E402
 from benchmarks.plain_decode import pick_prompts  # noqa: E402
 
 NGRAM = {"ngram_size": 3, "max_draft_tokens": 4}
 MODES = ("plain", "spec", "genai", "genai-ngram")
+GREEDY = SamplingParams()
 
 
 class Edgespec:
@@ -42,9 +50,10 @@ class Edgespec:
     def encode(self, text):
         return self.model.encode(text)
 
-    def decode(self, ids, new_tokens, speculative):
+    def decode(self, ids, new_tokens, speculative, sampling=GREEDY):
         g = self.model.generate_ids(ids, new_tokens, ignore_eos=True,
-                                    mode="speculative" if speculative else "plain")
+                                    mode="speculative" if speculative else "plain",
+                                    **asdict(sampling))
         return g.tokens, g.decode_s, g.stats
 
 
@@ -66,10 +75,17 @@ class Genai:
                 link.symlink_to(item.resolve())
         (workdir / "genai_config.json").write_text(json.dumps(config))
         self.model = og.Model(str(workdir))
+        self.vocab_size = config["model"]["vocab_size"]
 
-    def decode(self, ids, new_tokens, speculative):
+    def decode(self, ids, new_tokens, speculative, sampling=GREEDY):
         params = self.og.GeneratorParams(self.model)
-        params.set_search_options(do_sample=False, max_length=len(ids) + new_tokens)
+        search = {"do_sample": False}
+        if not sampling.greedy:  # genai's top-k is on unless set to the vocabulary
+            search = {"do_sample": True, "temperature": sampling.temperature,
+                      "top_k": sampling.top_k or self.vocab_size, "top_p": sampling.top_p,
+                      "repetition_penalty": sampling.repetition_penalty,
+                      "random_seed": sampling.seed % 2**31}
+        params.set_search_options(max_length=len(ids) + new_tokens, **search)
         if speculative:
             params.set_speculative_options(**NGRAM)
         generator = self.og.Generator(self.model, params)
@@ -96,11 +112,11 @@ def cpu_used_by_others(run):
     return result, max(0.0, others / ((after[0] - before[0]) * os.cpu_count()))
 
 
-def timed(engine, ids, new_tokens, speculative, max_foreign=0.05, tries=5):
+def timed(engine, ids, new_tokens, speculative, sampling, max_foreign=0.05, tries=5):
     for _ in range(tries):
         time.sleep(0.2)  # the other engine's thread pool stops spinning before this run
         (tokens, decode_s, stats), foreign = cpu_used_by_others(
-            lambda: engine.decode(ids, new_tokens, speculative))
+            lambda: engine.decode(ids, new_tokens, speculative, sampling))
         if foreign <= max_foreign:
             break
         time.sleep(2)  # someone else is on the CPU: let them pass, then redo the run
@@ -166,7 +182,11 @@ def main():
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"of {', '.join(MODES)}, greedy-plain (default: the first four)")
+    p.add_argument("--sampling", default="greedy",
+                   help="greedy (default), default (the artifact's defaults), or settings "
+                   "such as temperature=0.8,top_k=40,top_p=0.9,repetition_penalty=1.1")
     p.add_argument("--json", help="also write every measurement here")
     args = p.parse_args()
     if args.build_genai is not None:
@@ -177,7 +197,9 @@ def main():
     ours = Edgespec(args.artifact, args.threads)
     genai = Genai(args.genai, args.threads, Path(args.genai).with_name(Path(args.genai).name + "-run"))
     engines = {"plain": (ours, False), "spec": (ours, True), "genai": (genai, False),
-               "genai-ngram": (genai, True)}
+               "genai-ngram": (genai, True), "greedy-plain": (ours, False)}
+    sampling = sampling_settings(args.sampling, ours.model)
+    print(f"sampling: {sampling.describe()}", flush=True)
     prompts = pick_prompts(args.prompts, args.per_category)
     for mode in modes:  # warm-up: first runs allocate and page in
         engines[mode][0].decode(ours.encode("Hello"), 16, engines[mode][1])
@@ -185,10 +207,12 @@ def main():
     for n, prompt in enumerate(prompts, 1):
         ids = ours.encode(prompt["turns"][0])
         runs = {mode: [] for mode in modes}
-        for _ in range(args.repeat):
+        for run in range(args.repeat):
+            seeded = replace(sampling, seed=1000 * n + run)
             for mode in modes:
                 engine, speculative = engines[mode]
-                runs[mode].append(timed(engine, ids, args.new_tokens, speculative))
+                runs[mode].append(timed(engine, ids, args.new_tokens, speculative,
+                                        GREEDY if mode == "greedy-plain" else seeded))
         row = {"id": prompt["question_id"], "category": prompt["category"]}
         for mode in modes:
             row[mode] = statistics.median(speed for _, speed, _ in runs[mode])
@@ -202,19 +226,34 @@ def main():
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
+def sampling_settings(text, model) -> SamplingParams:
+    """--sampling: greedy, default (the model's), or name=value pairs over greedy."""
+    if text == "greedy":
+        return GREEDY
+    if text == "default":
+        return model.sampling
+    given = dict(pair.split("=") for pair in text.split(","))
+    kinds = {name: type(getattr(GREEDY, name)) for name in SAMPLING_FIELDS}
+    return GREEDY.with_options(**{name: kinds[name](value) for name, value in given.items()})
+
+
 def report(rows, modes):
     """Median tok/s per mode, ratios to genai plain, and outputs identical to the plain ones."""
     print(f"\n{len(rows)} prompts; median decode tok/s (ratio to genai plain, computed per "
           "prompt, then the median):")
-    print("| mode | tok/s | vs genai plain | identical to its plain |\n|---|---|---|---|")
+    print("| mode | tok/s | vs genai plain | vs edgespec greedy plain | identical to its plain |"
+          "\n|---|---|---|---|---|")
+
+    def ratio(mode, base):
+        return (f"{statistics.median(r[mode] / r[base] for r in rows):.2f}x"
+                if base in modes else "-")
     for mode in modes:
         speed = statistics.median(r[mode] for r in rows)
-        ratio = (f"{statistics.median(r[mode] / r['genai'] for r in rows):.2f}x"
-                 if "genai" in modes else "-")
         plain = {"spec": "plain", "genai-ngram": "genai"}.get(mode)
         same = (f"{sum(r[mode + '_tokens'] == r[plain + '_tokens'] for r in rows)}/{len(rows)}"
                 if plain in modes else "-")
-        print(f"| {mode} | {speed:.1f} | {ratio} | {same} |")
+        print(f"| {mode} | {speed:.1f} | {ratio(mode, 'genai')} | {ratio(mode, 'greedy-plain')} "
+              f"| {same} |")
 
 
 if __name__ == "__main__":

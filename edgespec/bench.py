@@ -1,13 +1,15 @@
 """`edgespec bench`: plain vs speculative decoding, same artifact, same prompts, one process.
 
-Per prompt (first turn, chat template, greedy): plain, then speculative, `repeat` times
-interleaved. Speedup is the ratio of their median decode tokens/s; identical says whether
-every run produced the same tokens.
+Per prompt (first turn, chat template, the given sampling settings, seeded by the prompt's id
+unless a seed is given): plain, then speculative, `repeat` times interleaved. Speedup is the
+ratio of their median decode tokens/s; identical says whether every run produced the same
+tokens (seeded sampling, like greedy decoding, gives speculative the same tokens as plain).
 """
 import json
 import statistics
 import sys
 import time
+import zlib
 from collections import defaultdict
 from importlib import resources
 from pathlib import Path
@@ -47,21 +49,26 @@ def load_prompts(path=None, limit=None, per_category=None, categories=None) -> l
     return rows[:limit] if limit else rows
 
 
-def bench_prompt(model, row, max_new_tokens, repeat=1, **draft) -> dict:
+def bench_prompt(model, row, max_new_tokens, repeat=1, sampling=None, **draft) -> dict:
     """Plain and speculative decoding of one prompt, interleaved `repeat` times; the speeds
-    are medians over the runs and `identical` holds only if every run matched plain."""
+    are medians over the runs and `identical` holds only if every run matched plain.
+    sampling: sampling settings given (None values: the model's)."""
     ids = model.encode(row["turns"][0])
+    sampling = dict(sampling or {})
+    if sampling.get("seed") is None:
+        sampling["seed"] = zlib.crc32(str(row["question_id"]).encode())
     if len(ids) + max_new_tokens >= model.engine.max_context:
         raise EdgespecError(f"prompt {row['question_id']} has {len(ids)} tokens: too long for "
                             f"the context of {model.engine.max_context} with "
                             f"{max_new_tokens} new tokens")
     plains, specs = [], []
     for _ in range(repeat):
-        plains.append(model.generate_ids(ids, max_new_tokens, mode="plain"))
-        specs.append(model.generate_ids(ids, max_new_tokens, mode="speculative", **draft))
+        plains.append(model.generate_ids(ids, max_new_tokens, mode="plain", **sampling))
+        specs.append(model.generate_ids(ids, max_new_tokens, mode="speculative", **sampling,
+                                        **draft))
     plain_speed = statistics.median(g.decode_tokens_per_s for g in plains)
     spec_speed = statistics.median(g.decode_tokens_per_s for g in specs)
-    spec = specs[-1]  # its statistics stand for the runs (greedy: same tokens each time)
+    spec = specs[-1]  # its statistics stand for the runs (same tokens each time)
     return {"question_id": row["question_id"], "category": row["category"],
             "n_prompt": len(ids), "n_generated": spec.n_generated, "runs": repeat,
             "plain_tokens_per_s": plain_speed, "spec_tokens_per_s": spec_speed,
@@ -179,12 +186,13 @@ def cost_line(costs) -> str:
         f"{rows}: {ms:.1f} ({ms / plain:.2f}x)" for rows, ms in costs.items())
 
 
-def run(model, rows, max_new_tokens, draft, repeat=1, progress=sys.stderr) -> list:
+def run(model, rows, max_new_tokens, draft, repeat=1, progress=sys.stderr, sampling=None
+        ) -> list:
     """Bench every row, printing a progress line per prompt."""
     model.generate("Hello", max_new_tokens=8)  # warm up sessions and allocators
     results = []
     for i, row in enumerate(rows, 1):
-        results.append(bench_prompt(model, row, max_new_tokens, repeat, **draft))
+        results.append(bench_prompt(model, row, max_new_tokens, repeat, sampling, **draft))
         r = results[-1]
         bar = "#" * (20 * i // len(rows))
         print(f"\r[{bar:20}] {i}/{len(rows)}  {r['category']:14} {r['question_id']:>4}: "

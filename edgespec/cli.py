@@ -193,7 +193,8 @@ def _draft(args) -> dict:
 
 def _bench_args(sub, common):
     p = _artifact_command(sub, common, "bench", "plain vs speculative on a prompt set",
-                          "For each prompt (first turn, chat template, greedy): plain decoding, "
+                          "For each prompt (first turn, chat template, the model's sampling "
+                          "settings or those given, seeded by the prompt's id): plain decoding, "
                           "then speculative, same artifact, same process. Prints a table per "
                           "category (median speedup, share of identical outputs, acceptance).")
     p.add_argument("--prompts", help="a JSONL file of {question_id, category, turns} "
@@ -206,6 +207,7 @@ def _bench_args(sub, common):
                    "interleaved; speeds are their medians (default: 3)")
     p.add_argument("--json", metavar="OUT", help="write per-prompt results and summaries here")
     p.add_argument("--plot", metavar="OUT.png", help="bar chart of speedup and acceptance")
+    _sampling_args(p)
     _draft_args(p)
     _runtime_args(p)
     p.set_defaults(run=_bench)
@@ -219,11 +221,13 @@ def _bench(args):
     model = _load(args)
     draft = _draft(args)
     policy = model.draft_policy(**draft)
-    results = bench.run(model, rows, args.max_new_tokens, draft, args.repeat)
+    results = bench.run(model, rows, args.max_new_tokens, draft, args.repeat,
+                        sampling=_sampling(args))
+    sampling = model.sampling.with_options(**_sampling(args))
     summaries = bench.summarize(results)
     costs = bench.round_costs(model)
     print(f"{args.artifact}: exit layer {model.artifact.exit_layer}, {_policy_line(policy)}, "
-          f"{args.max_new_tokens} new tokens, greedy")
+          f"{args.max_new_tokens} new tokens, {sampling.describe()}")
     print(bench.table(summaries))
     print(bench.drafter_line(results))
     print(bench.cost_line(costs))
@@ -231,6 +235,7 @@ def _bench(args):
         settings = {"artifact": str(args.artifact), "exit_layer": model.artifact.exit_layer,
                     "draft_policy": dataclasses.asdict(policy),
                     "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+                    "sampling": dataclasses.asdict(sampling),
                     "repeat": args.repeat}
         Path(args.json).write_text(json.dumps({"settings": settings, "prompts": results,
                                                "summary": summaries, "round_ms": costs},

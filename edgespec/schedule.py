@@ -38,6 +38,12 @@ START_K = 2          # drafts a round before a drafter has shown it earns more
 LOOKUP_PRIOR = {"agreed": (.50, .78, .88, .90, .90, .97),
                 "single": (.29, .52, .61, .70, .73, .84),
                 "split": (.19, .28, .33, .33, .33, .50)}
+# The same rates when the verifier samples (a draft is accepted when the verifier draws it):
+# the same replies sampled with the chat defaults, every match along them counted, made
+# monotone in the length where few matches were seen.
+LOOKUP_PRIOR_SAMPLED = {"agreed": (.56, .72, .80, .80, .80, .80),
+                        "single": (.17, .31, .45, .50, .50, .72),
+                        "split": (.08, .10, .20, .20, .20, .20)}
 LONG_MATCH = 6       # matches this long or longer share one rate
 PRIOR_ROUNDS = 8     # drafts' worth of evidence each prior counts for
 # A round through lower, upper and head by rows, in plain steps: SmolLM2 int4, 2 threads,
@@ -72,14 +78,16 @@ class LookupPlan:
         self.cost = _costs_by_rows(round_costs, k_max + 1)
         self.forget()
 
-    def forget(self):
+    def forget(self, sampled: bool = False):
+        """A new text: no rates measured yet; the priors of greedy or sampled decoding."""
         self.hits, self.tries = {}, {}
+        self.prior = LOOKUP_PRIOR_SAMPLED if sampled else LOOKUP_PRIOR
         self.pending = []  # the keys of the drafts of the round under way
 
     def rate(self, key) -> float:
         """How often such a draft token was accepted: the prior, then this text's rounds."""
         length, kind = key
-        prior = LOOKUP_PRIOR[kind][length - 1]
+        prior = self.prior[kind][length - 1]
         return (self.hits.get(key, 0) + PRIOR_ROUNDS * prior) / \
             (self.tries.get(key, 0) + PRIOR_ROUNDS)
 
@@ -125,9 +133,10 @@ class Scheduler:
         self.plain_s, self.plain_steps = None, 0  # seconds per plain step, steps measured
         self.produced = 0
 
-    def new_text(self):
-        """A new prompt: forget what lookup learned of the last text."""
-        self.lookup.forget()
+    def new_text(self, sampled: bool = False):
+        """A new prompt: forget what lookup learned of the last text. sampled: the verifier
+        samples, so fewer of lookup's drafts are accepted."""
+        self.lookup.forget(sampled)
 
     def lookup_k(self, match, budget: int) -> int:
         """How many of the match's tokens to draft this round (0: none)."""

@@ -135,7 +135,7 @@ class SpeculativeDecoder:
         self.sampler = Sampler(params)
         self.lookup = PromptLookup()
         self.scheduler = scheduler or new_scheduler(policy)
-        self.scheduler.new_text()
+        self.scheduler.new_text(sampled=not params.greedy)
 
     def draft(self, token, history, budget, timer):
         """Feed `token`, then propose up to `budget` drafts; (drafter, drafts)."""

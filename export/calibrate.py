@@ -105,9 +105,9 @@ def measure(artifact_dir, policies: list, prompts: list, log=print) -> list:
                   f"polic{'y' if len(policies) == 1 else 'ies'}", unit="prompt") as bar:
         for prompt in prompts:
             ids = model.encode(prompt)
-            plain = model.generate_ids(ids, MEASURE_TOKENS, mode="plain")
+            plain = model.generate_ids(ids, MEASURE_TOKENS, mode="plain", temperature=0)
             for i, policy in enumerate(policies):
-                spec = model.generate_ids(ids, MEASURE_TOKENS, **policy)
+                spec = model.generate_ids(ids, MEASURE_TOKENS, temperature=0, **policy)
                 ratios[i].append(spec.decode_tokens_per_s / plain.decode_tokens_per_s)
                 rounds[i][0] += spec.stats["rounds"]
                 rounds[i][1] += spec.stats["rounds"] + spec.stats["accepted"]
@@ -140,9 +140,9 @@ def plain_token_seconds(artifact_dir, prompt) -> float:
 
     model = edgespec.load(artifact_dir, threads=2, verify=False)
     ids = model.encode(prompt)
-    model.generate_ids(ids, 4, mode="plain", ignore_eos=True)
-    return 1 / model.generate_ids(ids, PROBE_TOKENS, mode="plain",
-                                  ignore_eos=True).decode_tokens_per_s
+    model.generate_ids(ids, 4, mode="plain", ignore_eos=True, temperature=0)
+    return 1 / model.generate_ids(ids, PROBE_TOKENS, mode="plain", ignore_eos=True,
+                                  temperature=0).decode_tokens_per_s
 
 
 def _describe(policy):

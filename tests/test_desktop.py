@@ -4,7 +4,6 @@ import shutil
 import subprocess
 import time
 
-import pytest
 
 import edgespec
 from helpers import pump

@@ -84,6 +84,17 @@ def test_lookup_learns_from_the_texts_rounds_and_forgets_with_a_new_prompt():
     assert scheduler.lookup_k(match, budget=8) == first
 
 
+def test_a_sampled_text_plans_lookup_with_the_lower_rates_of_sampled_acceptance():
+    scheduler = plan(CPU_ROWS)
+    matches = [Match(n, 0, kind) for n in (1, 2, 4, 6) for kind in ("agreed", "single", "split")]
+    scheduler.new_text(sampled=False)
+    greedy = [scheduler.lookup_k(m, budget=8) for m in matches]
+    scheduler.new_text(sampled=True)
+    sampled = [scheduler.lookup_k(m, budget=8) for m in matches]
+    assert all(s <= g for s, g in zip(sampled, greedy)) and sum(sampled) < sum(greedy)
+    assert any(sampled)  # long agreed matches still pay while sampling
+
+
 def test_a_fixed_policy_drafts_what_lookup_found_up_to_k():
     scheduler = plan(DEAR_ROWS, k_max=2, adaptive=False)
     assert scheduler.lookup_k(Match(1, 0, "split"), budget=8) == 2
