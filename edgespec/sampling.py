@@ -90,6 +90,12 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
+    @property
+    def raises(self) -> bool:
+        """Whether a penalty may raise a seen token's logit (a negative one, or below 1)."""
+        return (self.repetition_penalty < 1.0 or self.presence_penalty < 0.0
+                or self.frequency_penalty < 0.0)
+
 
 # What a reply samples with when the model recommends nothing (a GGUF carries no sampling
 # settings): the usual settings of local chat, under which small models do not loop the way
@@ -113,9 +119,17 @@ class TokenCounts:
         if len(history) < self.length:  # another history: count afresh
             self.count[self.seen[:self.n_seen]] = 0
             self.n_seen = self.length = 0
-        for token in history[self.length:]:
-            self.add(token)
+        self.extend(history[self.length:])
         self.length = len(history)
+
+    def extend(self, tokens):
+        for token in tokens:
+            self.add(token)
+
+    def retract(self, tokens):
+        """Undo extend(tokens)."""
+        for token in reversed(tokens):
+            self.remove(token)
 
     def add(self, token):
         if self.count[token] == 0:
@@ -181,61 +195,117 @@ class Sampler:
         self.params = params
         self.seed = params.seed if params.seed is not None else \
             int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1)
-        self.counts = None
-        self.spread = 8.0  # how far below the max top-k looks first (adapts; never changes
-        # the result, only how much of the vocabulary the exact selection sorts)
+        self.counts = None  # TokenCounts of the history, when a penalty reads them
+        self.spread = 8.0  # how far below the max near_top looks first (adapts; never
+        # changes the result, only how many tokens the exact selection reads)
 
     def __call__(self, logits: np.ndarray, history, pending=()) -> int:
         """pending: tokens after `history` not committed yet (a round's drafts)."""
-        z = self.penalized(logits, history, pending)
-        if self.params.greedy:
+        params = self.params
+        z = logits if logits.dtype == np.float32 else logits.astype(np.float32)
+        if not params.penalized and params.greedy:
             return int(np.argmax(z))
-        position = len(history) + len(pending)
-        return self.candidates(z).draw(uniform(self.seed, position))
+        counts = self._count(z.size, history, pending)
+        try:
+            if params.greedy:  # the argmax of the penalized logits is among the near top
+                ids, values = self.near_top(z, 1)
+                return int(ids[np.argmax(values)])
+            return self.candidates(z).draw(uniform(self.seed, len(history) + len(pending)))
+        finally:
+            if counts is not None:
+                counts.retract(pending)
+
+    def _count(self, vocab, history, pending):
+        """Bring the token counts up to history + pending (None when no penalty is on)."""
+        if not self.params.penalized:
+            return None
+        if self.counts is None:
+            self.counts = TokenCounts(vocab)
+        self.counts.follow(history)
+        self.counts.extend(pending)
+        return self.counts
 
     def penalized(self, logits: np.ndarray, history, pending=()) -> np.ndarray:
-        """float32 logits with the penalties for the tokens of history + pending applied
-        (the input itself when no penalty is on)."""
+        """float32 logits of the whole vocabulary with the penalties for the tokens of
+        history + pending applied (the input itself when no penalty is on)."""
+        z = logits if logits.dtype == np.float32 else logits.astype(np.float32)
+        counts = self._count(z.size, history, pending)
+        if counts is None:
+            return z
+        try:
+            z = z.copy()
+            seen = counts.seen[:counts.n_seen]
+            z[seen] = self._penalize(z[seen], counts.count[seen])
+            return z
+        finally:
+            counts.retract(pending)
+
+    def _penalize(self, values: np.ndarray, count: np.ndarray) -> np.ndarray:
+        """Penalized logits of tokens seen count (> 0) times."""
         params = self.params
-        if not params.penalized:
-            return logits if logits.dtype == np.float32 else logits.astype(np.float32)
-        if self.counts is None:
-            self.counts = TokenCounts(logits.size)
-        counts = self.counts
-        counts.follow(history)
-        for token in pending:
-            counts.add(token)
-        seen = counts.seen[:counts.n_seen]
-        z = logits.astype(np.float32, copy=True)
         if params.repetition_penalty != 1.0:
-            picked = z[seen]
-            z[seen] = np.where(picked > 0, picked / params.repetition_penalty,
-                               picked * params.repetition_penalty)
+            values = np.where(values > 0, values / np.float32(params.repetition_penalty),
+                              values * np.float32(params.repetition_penalty))
         if params.presence_penalty or params.frequency_penalty:
-            z[seen] -= np.float32(params.presence_penalty) + \
-                np.float32(params.frequency_penalty) * counts.count[seen]
-        for token in reversed(pending):
-            counts.remove(token)
-        return z
+            values = values - (np.float32(params.presence_penalty)
+                               + np.float32(params.frequency_penalty) * count)
+        return values.astype(np.float32, copy=False)
+
+    def near_top(self, z: np.ndarray, k: int):
+        """(ids ascending, their penalized logits) of a few tokens that include the k with
+        the largest penalized logits, read without touching the rest of the vocabulary:
+        the tokens within `spread` of the raw max, once they hold k unseen ones (a penalty
+        that only lowers cannot lift a token from below them), and when a penalty may raise
+        a logit every seen token too."""
+        params, counts = self.params, self.counts
+        top = float(z.max())
+        while True:
+            ids = np.flatnonzero(z >= top - self.spread)
+            seen = counts.count[ids] if counts is not None else None
+            unseen = ids.size - (np.count_nonzero(seen) if seen is not None else 0)
+            if unseen >= k or not np.isfinite(self.spread):
+                break
+            self.spread *= 2  # too few: look further down (logits at -inf: all of them)
+            if self.spread > 1e4:
+                self.spread = math.inf
+        if ids.size > 8 * k and np.isfinite(self.spread):
+            self.spread /= 2
+        if counts is None:
+            return ids, z[ids]
+        if params.raises:
+            ids = np.union1d(ids, counts.seen[:counts.n_seen])
+            seen = counts.count[ids]
+        values = z[ids]
+        hit = seen > 0
+        values[hit] = self._penalize(values[hit], seen[hit])
+        return ids, values
 
     def candidates(self, z: np.ndarray) -> Candidates:
-        """Temperature, then top-k, top-p and min-p, over penalized logits `z`."""
+        """Temperature, then top-k, top-p and min-p, over raw logits `z` (the token counts
+        up to date when a penalty is on)."""
         params, t = self.params, self.params.temperature
-        top = float(z.max())
         tail = None
         if params.top_k and params.top_k < z.size:
-            ids = np.flatnonzero(z >= self._kth(z, top, params.top_k))
-            weights = np.exp((z[ids] - top).astype(np.float64) / t)
-        elif params.top_p < 1.0 or not params.min_p:  # every token's weight counts
-            every = np.exp((z - top) / np.float32(t))
-            ids = np.flatnonzero(every >= TAIL)
-            weights = every[ids].astype(np.float64)
-            every[ids] = 0.0
-            tail = every
-        else:  # min-p alone bounds the logits kept
-            ids = np.flatnonzero(z >= top + t * math.log(params.min_p) - 1e-3)  # the exact
-            # cut is on the weights below
-            weights = np.exp((z[ids] - top).astype(np.float64) / t)
+            ids, values = self.near_top(z, params.top_k)
+            if ids.size > params.top_k:
+                keep = values >= np.partition(values, -params.top_k)[-params.top_k]
+                ids, values = ids[keep], values[keep]
+            weights = np.exp((values - values.max()).astype(np.float64) / t)
+        else:
+            if self.counts is not None:
+                z = z.copy()
+                seen = self.counts.seen[:self.counts.n_seen]
+                z[seen] = self._penalize(z[seen], self.counts.count[seen])
+            top = float(z.max())
+            if params.top_p < 1.0 or not params.min_p:  # every token's weight counts
+                every = np.exp((z - top) / np.float32(t))
+                ids = np.flatnonzero(every >= TAIL)
+                weights = every[ids].astype(np.float64)
+                every[ids] = 0.0
+                tail = every
+            else:  # min-p alone bounds the logits kept (the exact cut is on the weights)
+                ids = np.flatnonzero(z >= top + t * math.log(params.min_p) - 1e-3)
+                weights = np.exp((z[ids] - top).astype(np.float64) / t)
         order = np.argsort(-weights, kind="stable")
         ids, weights = ids[order], weights[order]
         if params.top_p < 1.0:
@@ -248,16 +318,6 @@ class Sampler:
         if not kept.all():
             ids, weights = ids[kept], weights[kept]
         return Candidates(ids, weights, tail)
-
-    def _kth(self, z, top, k) -> float:
-        """The k-th largest logit: selected among those within `spread` of the max when
-        there are enough of them (one vector comparison), else over the whole vocabulary."""
-        near = z[z >= top - self.spread]
-        if near.size < k or near.size > 64 * k:
-            kth = float(np.partition(z, -k)[-k])
-            self.spread = max(1.0, 2 * (top - kth))
-            return kth
-        return float(np.partition(near, -k)[-k])
 
 
 def _nucleus(ids, weights, tail, top_p):
@@ -281,8 +341,9 @@ def distribution(logits: np.ndarray, history, params: SamplingParams) -> np.ndar
     """The probabilities a sampler draws the token after `history` from (vocabulary-sized)."""
     sampler = Sampler(params)
     if params.greedy:
-        return np.eye(logits.size)[int(np.argmax(sampler.penalized(logits, history)))]
-    return sampler.candidates(sampler.penalized(logits, history)).probabilities(logits.size)
+        return np.eye(logits.size)[sampler(logits, history)]
+    sampler._count(logits.size, history, ())
+    return sampler.candidates(logits.astype(np.float32)).probabilities(logits.size)
 
 
 def penalize(logits: np.ndarray, history, params: SamplingParams) -> np.ndarray:
