@@ -32,6 +32,7 @@ from .errors import EdgespecError
 # weight is below this fraction of the likeliest's are drawn, in id order, only when the
 # uniform falls past all the others (rarely), so most draws sort a few hundred tokens.
 TAIL = 2.0 ** -12
+SMALLEST = 5e-324  # the smallest positive float64: a weight below it is 0
 
 
 @dataclass(frozen=True)
@@ -146,29 +147,25 @@ class TokenCounts:
 
 @dataclass
 class Candidates:
-    """The tokens a position may draw and their weights (unnormalized probabilities), the
-    likeliest first; `tail`: the rest of the vocabulary's weights when no filter cut it
-    (drawn from in id order), else None."""
+    """The tokens a position may draw, the likeliest first, and their weights
+    (probabilities relative to the likeliest's) with their running sum; `tail`: the rest of
+    the vocabulary's weights when no filter cut it (drawn from in id order), else None."""
     ids: np.ndarray
     weights: np.ndarray
+    cumulative: np.ndarray
     tail: np.ndarray = None
-
-    @property
-    def total(self) -> float:
-        return float(self.weights.sum()) + (float(self.tail.sum()) if self.tail is not None
-                                            else 0.0)
 
     def draw(self, u: float) -> int:
         """The token at u in [0, 1) of the cumulative weights: the likeliest first, then
         the tail in id order."""
-        target = u * self.total
-        cumulative = np.cumsum(self.weights)
-        if target < cumulative[-1] or self.tail is None:
-            return int(self.ids[min(np.searchsorted(cumulative, target, "right"),
+        head = float(self.cumulative[-1])
+        target = u * (head + (float(self.tail.sum()) if self.tail is not None else 0.0))
+        if target < head or self.tail is None:
+            return int(self.ids[min(np.searchsorted(self.cumulative, target, "right"),
                                     self.ids.size - 1)])
         rest = np.flatnonzero(self.tail)
         cumulative = np.cumsum(self.tail[rest], dtype=np.float64)
-        i = np.searchsorted(cumulative, target - float(self.weights.sum()), "right")
+        i = np.searchsorted(cumulative, target - head, "right")
         return int(rest[min(i, rest.size - 1)])
 
     def probabilities(self, vocab: int) -> np.ndarray:
@@ -287,10 +284,12 @@ class Sampler:
         tail = None
         if params.top_k and params.top_k < z.size:
             ids, values = self.near_top(z, params.top_k)
-            if ids.size > params.top_k:
-                keep = values >= np.partition(values, -params.top_k)[-params.top_k]
-                ids, values = ids[keep], values[keep]
-            weights = np.exp((values - values.max()).astype(np.float64) / t)
+            order = np.argsort(-values, kind="stable")  # ids ascend: ties stay in id order
+            values = values[order]
+            n = np.searchsorted(-values, -values[params.top_k - 1], "right") \
+                if ids.size > params.top_k else ids.size  # ties with the k-th stay
+            ids, values = ids[order[:n]], values[:n].astype(np.float64)
+            weights = np.exp((values - values[0]) / t)
         else:
             if self.counts is not None:
                 z = z.copy()
@@ -306,18 +305,16 @@ class Sampler:
             else:  # min-p alone bounds the logits kept (the exact cut is on the weights)
                 ids = np.flatnonzero(z >= top + t * math.log(params.min_p) - 1e-3)
                 weights = np.exp((z[ids] - top).astype(np.float64) / t)
-        order = np.argsort(-weights, kind="stable")
-        ids, weights = ids[order], weights[order]
+            order = np.argsort(-weights, kind="stable")
+            ids, weights = ids[order], weights[order]
         if params.top_p < 1.0:
             ids, weights = _nucleus(ids, weights, tail, params.top_p)
             tail = None
-        if params.min_p:  # the likeliest token's weight is 1
-            n = np.searchsorted(-weights, -params.min_p, "right")
-            ids, weights = ids[:n], weights[:n]
-        kept = weights > 0  # tokens at -inf (outside a draft's shortlist) never draw
-        if not kept.all():
-            ids, weights = ids[kept], weights[kept]
-        return Candidates(ids, weights, tail)
+        # min-p (the likeliest weighs 1), and tokens at -inf (outside a draft's shortlist)
+        # never draw: the weights fall, so one search cuts both
+        n = np.searchsorted(-weights, -max(params.min_p, SMALLEST), "right")
+        ids, weights = ids[:n], weights[:n]
+        return Candidates(ids, weights, np.cumsum(weights), tail)
 
 
 def _nucleus(ids, weights, tail, top_p):
