@@ -265,8 +265,8 @@ class Sampler:
             self.spread *= 2  # too few: look further down (logits at -inf: all of them)
             if self.spread > 1e4:
                 self.spread = math.inf
-        if ids.size > 8 * k and np.isfinite(self.spread):
-            self.spread /= 2
+        if ids.size > 2 * k + 8 and np.isfinite(self.spread):
+            self.spread *= 0.8  # more than needed: look less far next time
         if counts is None:
             return ids, z[ids]
         if params.raises:
@@ -321,8 +321,8 @@ def _nucleus(ids, weights, tail, top_p):
     """The smallest prefix of the likeliest-first candidates whose mass reaches top_p of
     the whole (candidates and tail): when the candidates do not reach it, the tail is
     sorted in too (a flat distribution)."""
-    total = float(weights.sum()) + (float(tail.sum()) if tail is not None else 0.0)
     cumulative = np.cumsum(weights)
+    total = float(cumulative[-1]) + (float(tail.sum()) if tail is not None else 0.0)
     if cumulative[-1] < top_p * total and tail is not None:
         rest = np.flatnonzero(tail)
         ids = np.concatenate([ids, rest])
