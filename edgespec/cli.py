@@ -121,7 +121,7 @@ def _sampling_args(p):
     g = p.add_argument_group(
         "sampling", "Settings not given are the model's: those its checkpoint recommends "
         "(generation_config.json), else temperature 0.8, top-k 40, top-p 0.9, repetition "
-        "penalty 1.1. --temperature 0 is greedy.")
+        "penalty 1.1. --temperature 0 is plain greedy (penalties only if given).")
     g.add_argument("--temperature", type=float, help="0 is greedy")
     g.add_argument("--top-k", type=int, help="keep the k likeliest tokens (0: off)")
     g.add_argument("--top-p", type=float, help="keep the likeliest tokens whose mass reaches "

@@ -68,8 +68,12 @@ class SamplingParams:
                 raise EdgespecError(f"invalid {name} {value}: it must be {expected}")
 
     def with_options(self, **given) -> "SamplingParams":
-        """These settings with the given fields replaced (None: not given, keep ours)."""
-        return dataclasses.replace(self, **{k: v for k, v in given.items() if v is not None})
+        """These settings with the given fields replaced (None: not given, keep ours). A
+        temperature of 0 given over them is plain greedy decoding: our filters and
+        penalties are for sampling, so only the penalties given alongside apply."""
+        given = {k: v for k, v in given.items() if v is not None}
+        base = SamplingParams(seed=self.seed) if given.get("temperature") == 0 else self
+        return dataclasses.replace(base, **given)
 
     def describe(self) -> str:
         """The settings that are on, in words: "greedy" or "temperature 0.8, top-k 40, ..."."""

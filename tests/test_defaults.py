@@ -53,10 +53,14 @@ def test_without_recommended_settings_replies_sample_with_the_chat_defaults(tmp_
     assert settings(reply) == {name: getattr(CHAT_DEFAULTS, name) for name in SAMPLING_FIELDS}
 
 
-def test_greedy_is_temperature_zero(recommending):
+def test_temperature_zero_is_plain_greedy_unless_a_penalty_is_given(recommending):
     model = edgespec.load(recommending)
-    reply = model.generate_ids([5, 6, 7], max_new_tokens=4, temperature=0)
-    assert reply.sampling["temperature"] == 0 and reply.sampling["top_p"] == 0.95
+    greedy = model.generate_ids([5, 6, 7], max_new_tokens=4, temperature=0).sampling
+    assert {name: greedy[name] for name in SAMPLING_FIELDS} == \
+        {name: getattr(SamplingParams(), name) for name in SAMPLING_FIELDS}
+    penalized = model.generate_ids([5, 6, 7], max_new_tokens=4, temperature=0,
+                                   repetition_penalty=1.3).sampling
+    assert penalized["temperature"] == 0 and penalized["repetition_penalty"] == 1.3
 
 
 def test_every_entry_point_samples_with_the_models_defaults(recommending, display):
