@@ -94,7 +94,8 @@ class ChatSession:
             return f"[no reply yet; {cache}]"
         r = self.last
         line = (f"[last reply: {r.n_generated} tokens, {r.decode_tokens_per_s:.1f} tokens/s, "
-                f"prefilled {r.n_prefilled} of {r.n_prompt} prompt tokens, {r.mode}; {cache}]")
+                f"prefilled {r.n_prefilled} of {r.n_prompt} prompt tokens, {r.mode}; "
+                f"{SamplingParams(**r.sampling).describe()}; {cache}]")
         if r.stats:
             line += "\n[" + SpecStats.from_dict(r.stats).line() + "]"
         return line

@@ -362,10 +362,9 @@ def _generate(args):
     if result.finish_reason == "context_full":
         print(f"[stopped: the context of {model.engine.max_context} tokens is full]",
               file=sys.stderr)
-    sampling = SamplingParams(**result.sampling)
     print(f"[{result.n_prompt} prompt tokens, {result.n_generated} generated, "
-          f"{result.decode_tokens_per_s:.1f} tokens/s, {result.mode}; {sampling.describe()}"
-          f"{'' if sampling.greedy else f', seed {sampling.seed}'}]", file=sys.stderr)
+          f"{result.decode_tokens_per_s:.1f} tokens/s, {result.mode}; "
+          f"{SamplingParams(**result.sampling).describe()}]", file=sys.stderr)
     if args.stats and result.mode == "speculative":
         print(SpecStats.from_dict(result.stats).line(), file=sys.stderr)
 

@@ -76,7 +76,8 @@ class SamplingParams:
         return dataclasses.replace(base, **given)
 
     def describe(self) -> str:
-        """The settings that are on, in words: "greedy" or "temperature 0.8, top-k 40, ..."."""
+        """The settings that are on, in words: "greedy" or "temperature 0.8, top-k 40, ...",
+        with the seed when one is set and the reply samples."""
         if self.greedy and not self.penalized:
             return "greedy"
         neutral = SamplingParams()
@@ -84,6 +85,8 @@ class SamplingParams:
             f"{name.replace('_', ' ').replace('top ', 'top-').replace('min ', 'min-')} "
             f"{getattr(self, name):g}" for name in SAMPLING_FIELDS[1:]
             if getattr(self, name) != getattr(neutral, name)]
+        if not self.greedy and self.seed is not None:
+            parts.append(f"seed {self.seed}")
         return ", ".join(parts)
 
     @property

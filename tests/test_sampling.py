@@ -157,3 +157,10 @@ def test_draws_from_the_tail_of_an_unfiltered_vocabulary_keep_its_distribution()
     assert chi2 < 18.47  # 4 degrees of freedom, p = 0.001
     # the tail's draws spread over its tokens, not piled on a few
     assert len(set(draws[draws >= 4])) > 0.5 * min(4996, np.sum(draws >= 4))
+
+
+def test_settings_describe_what_is_on_and_the_seed_of_a_sampled_reply():
+    assert SamplingParams().describe() == "greedy"
+    assert SamplingParams(repetition_penalty=1.2).describe() == "greedy, repetition penalty 1.2"
+    assert SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=3).describe() == \
+        "temperature 0.8, top-k 40, top-p 0.9, seed 3"
