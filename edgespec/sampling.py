@@ -4,10 +4,10 @@
 given its history"; greedy decoding takes the argmax of the penalized logits, sampling
 draws from the candidates.
 
-Cost: the chain touches the whole vocabulary only in a few float32 vector passes (a copy
-for the penalties, a max, a comparison; an exponential only when no top-k bounds the
-candidates) and sorts and normalizes just the tokens a filter keeps. Penalties read token
-counts kept up to date as the history grows, not the history itself.
+Cost: the chain touches the whole vocabulary only in a few float32 vector passes (with
+top-k a max and a comparison; without it a copy for the penalties and an exponential) and
+sorts and normalizes just the tokens a filter keeps. Penalties read token counts kept up
+to date as the history grows, not the history itself.
 
 A draw is one uniform per position, u = hash(seed, position), through the inverse CDF of
 the kept tokens in order of falling probability (ties by id); a fixed order that depends
@@ -234,15 +234,20 @@ class Sampler:
         history + pending applied (the input itself when no penalty is on)."""
         z = logits if logits.dtype == np.float32 else logits.astype(np.float32)
         counts = self._count(z.size, history, pending)
-        if counts is None:
-            return z
         try:
-            z = z.copy()
-            seen = counts.seen[:counts.n_seen]
-            z[seen] = self._penalize(z[seen], counts.count[seen])
-            return z
+            return self._penalize_all(z)
         finally:
-            counts.retract(pending)
+            if counts is not None:
+                counts.retract(pending)
+
+    def _penalize_all(self, z: np.ndarray) -> np.ndarray:
+        """A copy of `z` with the penalties for the counted tokens (`z` when none is on)."""
+        if self.counts is None:
+            return z
+        z = z.copy()
+        seen = self.counts.seen[:self.counts.n_seen]
+        z[seen] = self._penalize(z[seen], self.counts.count[seen])
+        return z
 
     def _penalize(self, values: np.ndarray, count: np.ndarray) -> np.ndarray:
         """Penalized logits of tokens seen count (> 0) times."""
@@ -298,10 +303,7 @@ class Sampler:
             ids, values = ids[order[:n]], values[:n].astype(np.float64)
             weights = np.exp((values - values[0]) / t)
         else:
-            if self.counts is not None:
-                z = z.copy()
-                seen = self.counts.seen[:self.counts.n_seen]
-                z[seen] = self._penalize(z[seen], self.counts.count[seen])
+            z = self._penalize_all(z)
             top = float(z.max())
             if params.top_p < 1.0 or not params.min_p:  # every token's weight counts
                 every = np.exp((z - top) / np.float32(t))

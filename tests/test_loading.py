@@ -122,6 +122,7 @@ FIELD_CASES = [
     ("files.head.data", {"bytes": 256, "sha256": 5}), ("chat_template", "missing.jinja"),
     ("round_costs", [1.0, 1.2]), ("round_costs", {"2": 1.2}), ("round_costs", {"1": 0}),
     ("round_costs", {"1": 1.0, "two": 1.2}), ("round_costs", {"1": 1.0, "2": "1.2"}),
+    ("sampling", [0.8]), ("sampling", {"temperature": -1}), ("sampling", {"beams": 2}),
 ]
 
 
