@@ -3,14 +3,15 @@
 Both engines get the same token ids (the first turn of each prompt through the artifact's chat
 template), the same sampling settings (--sampling: greedy, the artifact's defaults, or given;
 seeded per prompt and run), the same number of new tokens with end-of-turn ignored, the same
-thread count. Per prompt, every mode runs once per repeat, the modes interleaved, so drift of the
-machine hits all of them alike; a run during which other processes used the CPU is redone.
+thread count. Per prompt, every mode runs once per repeat, the modes interleaved, so drift of
+the machine hits all of them alike; a run during which other processes used the CPU is redone.
 decode tok/s = (n - 1) / (time of the last token - time of the first): prefill excluded.
 
 Modes: plain and spec (edgespec's plain and default speculative decoding), genai (plain
 int4) and genai-ngram (its n-gram speculative decoding, ngram 3, k 4), all with the settings
-of --sampling; greedy-plain is edgespec's plain greedy decoding whatever --sampling says. --quality instead
-scores genai's model on export's quality passage, beside the artifact's own numbers.
+of --sampling; greedy-plain is edgespec's plain greedy decoding whatever --sampling says.
+--quality instead scores genai's model on export's quality passage, beside the artifact's
+own numbers.
 
 Needs a venv with edgespec and onnxruntime-genai, and genai's int4 model of the same
 weights; `make peers` makes both (.venv-peers, models/peers/genai-int4), then:

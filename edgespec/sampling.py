@@ -106,8 +106,7 @@ class SamplingParams:
 
 
 # What a reply samples with when the model recommends nothing (a GGUF carries no sampling
-# settings): the usual settings of local chat, under which small models do not loop the way
-# they do greedily. Greedy is --temperature 0.
+# settings): the usual settings of local chat tools. Greedy is --temperature 0.
 CHAT_DEFAULTS = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.1)
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                    "presence_penalty", "frequency_penalty")
@@ -127,8 +126,9 @@ class TokenCounts:
         if len(history) < self.length:  # another history: count afresh
             self.count[self.seen[:self.n_seen]] = 0
             self.n_seen = self.length = 0
-        self.extend(history[self.length:])
-        self.length = len(history)
+        if len(history) > self.length:  # verify rows of a round share one history
+            self.extend(history[self.length:])
+            self.length = len(history)
 
     def extend(self, tokens):
         for token in tokens:
@@ -272,12 +272,12 @@ class Sampler:
             ids = np.flatnonzero(z >= top - self.spread)
             seen = counts.count[ids] if counts is not None else None
             unseen = ids.size - (np.count_nonzero(seen) if seen is not None else 0)
-            if unseen >= k or not np.isfinite(self.spread):
+            if unseen >= k or not math.isfinite(self.spread):
                 break
             self.spread *= 2  # too few: look further down (logits at -inf: all of them)
             if self.spread > 1e4:
                 self.spread = math.inf
-        if ids.size > 2 * k + 8 and np.isfinite(self.spread):
+        if ids.size > 2 * k + 8 and math.isfinite(self.spread):
             self.spread *= 0.8  # more than needed: look less far next time
         if counts is None:
             return ids, z[ids]

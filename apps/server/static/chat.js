@@ -51,6 +51,8 @@ function addMessage(role, text) {
   return { div, body, stats };
 }
 
+const integer = (v) => parseInt(v, 10);
+
 function number(id, parse) {
   const value = parse($(id).value);
   return Number.isFinite(value) ? value : undefined;  // blank: the server's default
@@ -62,10 +64,10 @@ function requestBody() {
                           : state.messages;
   return {
     model: state.model, messages, stream: true, stream_options: { include_usage: true },
-    temperature: number("temperature", parseFloat), top_k: number("top_k", (v) => parseInt(v, 10)),
+    temperature: number("temperature", parseFloat), top_k: number("top_k", integer),
     top_p: number("top_p", parseFloat),
     repetition_penalty: number("repetition_penalty", parseFloat),
-    max_tokens: number("max_tokens", (v) => parseInt(v, 10)), mode: $("mode").value,
+    max_tokens: number("max_tokens", integer), mode: $("mode").value,
   };
 }
 
