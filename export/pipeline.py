@@ -12,7 +12,7 @@ from edgespec.errors import EdgespecError
 
 from edgespec.artifact import DRAFT_VOCAB
 
-from . import quality
+from . import fidelity, quality
 from .calibrate import ADAPTIVE, calibrate_draft, instructions, round_costs
 from . import graph
 from .gptq import quantize_layers
@@ -158,6 +158,8 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
             artifact.fields["round_costs"] = round_costs(partial)
         log("measuring quality against the full-precision model ...")
         artifact.fields["quality"] = quality.measure(source, partial, max_context)
+        log("measuring fidelity: greedy answers against the full-precision model's ...")
+        artifact.fields["fidelity"] = fidelity.measure(source, partial)
         manifest = artifact.finish(time.perf_counter() - start)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -241,6 +243,7 @@ def _summary(out, manifest, seconds, log):
     shared = " (head reads the tied embedding table stored in lower.data)" \
         if arch["tie_word_embeddings"] else ""
     draft, graph, q = manifest["draft"], manifest.get("draft_graph", {}), manifest["quality"]
+    f = manifest.get("fidelity")
     drafter = "exit adapter" if graph.get("adapter") else "raw exit"
     speed = [r["speedup"] for r in draft.get("calibration", {}).get("policies", [])]
     log(f"exported {out}: {arch['model_type']}, {arch['num_layers']} layers, exit layer "
@@ -257,4 +260,8 @@ def _summary(out, manifest, seconds, log):
         f"  quality on a fixed {q['tokens']}-token text: top-1 agreement {q['top1_agreement']:.3f} "
         f"with the full-precision model, perplexity {q['perplexity']:.2f} "
         f"(full precision {q['reference_perplexity']:.2f})\n"
+        + (f"  fidelity on short questions: first 16 greedy tokens equal to the full-precision "
+           f"model's on {f['first16_equal']} of {f['questions']}, teacher-forced top-1 "
+           f"{f['top1_agreement']:.3f}, right answers {f['right']} (full precision "
+           f"{f['reference_right']})\n" if f else "") +
         f"  total {sum(f['bytes'] for f in files.values()) / 1e6:.1f} MB in {seconds:.0f} s")

@@ -12,6 +12,7 @@ import edgespec
 import export.graph
 import export.quantize
 from edgespec.errors import EdgespecError
+from export import fidelity
 from export.pipeline import export_model
 from export.quantize import (BLOCK, dequantize_int4, dequantize_int8, quantize_int4,
                              quantize_int8)
@@ -212,3 +213,14 @@ def test_an_uncalibrated_export_ships_the_adaptive_policy_with_prompt_lookup(tin
     costs = manifest["round_costs"]
     assert costs["1"] == 1.0 and set(costs) == {"1", "2", "3", "4", "6", "8"}
     assert all(cost > 0 for cost in costs.values())
+
+
+def test_export_measures_fidelity_of_greedy_answers(tiny_fp32, tiny_int4):
+    fp32, int4 = (json.loads((a / "manifest.json").read_text())["fidelity"]
+                  for a in (tiny_fp32, tiny_int4))
+    n = len(fidelity.questions())
+    assert fp32["questions"] == int4["questions"] == n >= 24
+    # the fp32 graphs compute the reference model: every greedy reply starts the same
+    assert fp32["first16_equal"] == n and fp32["top1_agreement"] == 1.0
+    assert int4["top1_agreement"] < 1.0 and int4["first16_equal"] < n
+    assert fp32["reference_right"] == int4["reference_right"] <= n
