@@ -79,12 +79,19 @@ def judge(answers, rows, prompts, references, decode) -> dict:
             "decode_tokens_per_s": round(float(np.median(speeds)), 1)}
 
 
-def measure(source, path) -> dict:
-    """The gate's numbers for the artifact at `path`, made from `source` (export's model)."""
+def measure(source, path, max_context) -> dict:
+    """The gate's numbers for the artifact at `path`, made from `source` (export's model),
+    on the questions whose reply fits the artifact's context; None when none does."""
     from edgespec.model import load
     model = load(path, verify=False)
-    rows = questions()
-    prompts = [model.encode(row["question"]) for row in rows]
+    rows, prompts = [], []
+    for row in questions():
+        ids = model.encode(row["question"])
+        if len(ids) + REPLY_TOKENS < max_context:
+            rows.append(row)
+            prompts.append(ids)
+    if not rows:
+        return None
     references = reference_replies(source.torch_model, prompts, set(model.stop_ids))
     decode = model.codec.decode
     result = judge(ArtifactAnswers(model), rows, prompts, references, decode)

@@ -159,7 +159,9 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
         log("measuring quality against the full-precision model ...")
         artifact.fields["quality"] = quality.measure(source, partial, max_context)
         log("measuring fidelity: greedy answers against the full-precision model's ...")
-        artifact.fields["fidelity"] = fidelity.measure(source, partial)
+        gate = fidelity.measure(source, partial, max_context)
+        if gate:
+            artifact.fields["fidelity"] = gate
         manifest = artifact.finish(time.perf_counter() - start)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
