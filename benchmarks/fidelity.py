@@ -17,12 +17,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import edgespec  # noqa: E402
 from export import fidelity  # noqa: E402
-from export.fidelity import REPLY_TOKENS  # noqa: E402
 
 
 class LlamaCpp:
-    name = "llama.cpp"
-
     def __init__(self, gguf, threads, stop_ids):
         from llama_cpp import Llama
         self.llm = Llama(model_path=str(gguf), n_ctx=1024, n_threads=threads,
@@ -34,7 +31,7 @@ class LlamaCpp:
         tokens, first = [], None
         for token in self.llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
             first = first or time.perf_counter()
-            if token in self.stop_ids or len(tokens) == REPLY_TOKENS:
+            if token in self.stop_ids or len(tokens) == fidelity.REPLY_TOKENS:
                 break
             tokens.append(token)
         speed = (len(tokens) - 1) / (time.perf_counter() - first) if len(tokens) > 1 else 0.0

@@ -3,10 +3,10 @@
 For each short chat question of data/fidelity.jsonl (the question and words of a right
 answer), the source model in float32 (transformers) answers greedily, up to REPLY_TOKENS
 tokens; then the artifact answers the same token ids with plain greedy decoding:
-- first16: its first FIRST tokens equal the reference's (all of them when shorter);
-- right: a word of the answer is in its reply (the reference's own count beside it);
-- top1: teacher-forced along the reference's replies, how often the artifact's likeliest
-  next token is the reference's.
+- first16_equal: its first FIRST tokens equal the reference's (all when shorter);
+- right: a word of the answer is in its reply (reference_right: the reference's count);
+- top1_agreement: teacher-forced along the reference's replies, how often the artifact's
+  likeliest next token is the reference's.
 Export prints them and stores them in the manifest; benchmarks/fidelity.py judges peers
 (llama.cpp on the same GGUF) the same way.
 """
@@ -39,7 +39,6 @@ def reference_replies(torch_model, prompts, stop_ids) -> list:
 
 class ArtifactAnswers:
     """An artifact's greedy replies and teacher-forced top-1 tokens."""
-    name = "edgespec"
 
     def __init__(self, model):
         self.model = model
@@ -95,7 +94,6 @@ def measure(source, path, max_context) -> dict:
     references = reference_replies(source.torch_model, prompts, set(model.stop_ids))
     decode = model.codec.decode
     result = judge(ArtifactAnswers(model), rows, prompts, references, decode)
-    result["reference_right"] = sum(is_right(decode(r), row["answer"])
-                                    for r, row in zip(references, rows))
-    del result["decode_tokens_per_s"]  # export's machine is busy; bench measures speed
-    return result
+    result.pop("decode_tokens_per_s")  # export's machine is busy; bench measures speed
+    return {**result, "reference_right": sum(is_right(decode(r), row["answer"])
+                                             for r, row in zip(references, rows))}
