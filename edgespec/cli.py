@@ -264,11 +264,15 @@ def _serve_args(sub, common):
                    help="largest request body; larger ones are refused with 413 (default: "
                    "1048576, 1 MiB)")
     p.add_argument("--client-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="close a connection whose client stays silent this long, idle or "
-                   "mid-request (default: 30)")
+                   help="time a client has to send a whole request, headers and body, from "
+                   "when the server is ready for it; then its connection closes (default: 30)")
     p.add_argument("--max-connections", type=int, default=64, metavar="N",
-                   help="open connections at most, one thread each; more are answered 503 "
-                   "(default: 64; keep it above --queue)")
+                   help="open connections at most, one thread each; when all are open, one "
+                   "waiting for its request is closed to make room, and only when all are "
+                   "busy answering is a new one answered 503 (default: 64; keep it above "
+                   "--queue)")
+    p.add_argument("--max-connections-per-client", type=int, default=32, metavar="N",
+                   help="open connections at most from one client address (default: 32)")
     p.add_argument("--api-key", default=os.environ.get("EDGESPEC_API_KEY") or None,
                    metavar="KEY", help="require 'Authorization: Bearer KEY' on the API and "
                    "/metrics (the page and /health stay open); default: $EDGESPEC_API_KEY, "
@@ -288,7 +292,8 @@ def _serve(args):
         from apps.server.server import Limits, check_api_key, serve
     except ImportError as e:
         raise EdgespecError(f"edgespec serve needs the apps package ({e})") from e
-    limits = Limits(args.max_body_bytes, args.client_timeout, args.max_connections)
+    limits = Limits(args.max_body_bytes, args.client_timeout, args.max_connections,
+                    args.max_connections_per_client)
     if args.api_key is not None:
         check_api_key(args.api_key)  # before the model loads: a bad key fails at once
     model = _load(args)

@@ -50,19 +50,6 @@ def assert_serves(port):
     assert 1 <= answer["usage"]["completion_tokens"] <= 8
 
 
-def wait_answering(port, timeout=10):
-    """Wait until /health answers (connection slots take a moment to free)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if "busy" in health(port):  # a refused connection answers an error body
-                return
-        except OSError:  # or is reset before the answer is read
-            pass
-        assert time.monotonic() < deadline, "the server never took a connection again"
-        time.sleep(0.05)
-
-
 # -- 1. an error in a job fails that job, not the worker --------------------------------------
 
 def test_a_negative_seed_is_a_400_and_the_server_keeps_serving(guarded):
@@ -154,25 +141,8 @@ def test_a_silent_client_is_disconnected_after_the_client_timeout(guarded, sent)
         start = time.monotonic()
         rest = sock.makefile("rb").read()  # until the server closes
     assert time.monotonic() - start < CLIENT_TIMEOUT_S + 4
-    if b"Content-Length" in sent:
-        assert rest.startswith(b"HTTP/1.1 408 ")
-
-
-def test_connections_over_the_cap_are_answered_503_and_closed(guarded):
-    wait_idle(guarded.port)
-    # an idle connection an earlier test left open holds a slot until the client timeout
-    # closes it: were it to close mid-test, the extra connection would get its slot
-    time.sleep(CLIENT_TIMEOUT_S + 0.5)
-    held = [socket.create_connection(("127.0.0.1", guarded.port))
-            for _ in range(MAX_CONNECTIONS)]
-    with socket.create_connection(("127.0.0.1", guarded.port), timeout=10) as extra:
-        reader = extra.makefile("rb")
-        status, head, body = read_response(reader)
-        assert status == 503 and head["retry-after"] == "2" and "error" in json.loads(body)
-    for sock in held:
-        sock.close()
-    wait_answering(guarded.port)
-    assert_serves(guarded.port)
+    # part of a request is answered 408; a connection that sent nothing is just closed
+    assert rest.startswith(b"HTTP/1.1 408 ") if sent else rest == b""
 
 
 # -- 5. bodies the server cannot use: a 400 that says why ---------------------------------

@@ -1,8 +1,9 @@
 """GET /metrics: what the server has done, in Prometheus' text format (version 0.0.4).
 
-Handlers count every answer by status and time the generation requests; the worker counts
-every generation by how it finished, with its tokens and what speculation did. The queue
-gauges are read when the page is asked for.
+Handlers count every answer by status and time the generation requests; the server counts
+connections it closed on its own, by why; the worker counts every generation by how it
+finished, with its tokens and what speculation did. The gauges are read when the page is
+asked for.
 """
 import threading
 from collections import Counter
@@ -51,6 +52,7 @@ class Metrics:
     def __init__(self):
         self.lock = threading.Lock()
         self.responses = Counter()    # HTTP status -> answers
+        self.closed = Counter()       # why the server closed a connection -> connections
         self.generations = Counter()  # finish reason (or "failed") -> generations
         self.totals = dict.fromkeys(TOTALS, 0)
         self.duration = Histogram(SECONDS_BUCKETS)
@@ -60,6 +62,15 @@ class Metrics:
     def response(self, status: int):
         with self.lock:
             self.responses[int(status)] += 1
+
+    def connection_closed(self, reason: str):
+        """The server closed a connection: "timeout" (its request did not arrive whole in
+        time), "made_room" (it waited while a new one needed its place) or "turned_away"
+        (answered 503 at once, every place being busy)."""
+        with self.lock:
+            self.closed[reason] += 1
+            if reason == "turned_away":  # its 503 is written by the accept loop, not a handler
+                self.responses[503] += 1
 
     def request_timed(self, seconds: float, first_token_s):
         """A generation request answered: from its arrival to its last byte, and to its
@@ -90,7 +101,7 @@ class Metrics:
             t["accepted_tokens"] += stats.get("accepted", 0)
             t["speculative_rounds"] += stats.get("rounds", 0)
 
-    def render(self, queued: int, capacity: int, busy: bool) -> str:
+    def render(self, queued: int, capacity: int, busy: bool, connections: int) -> str:
         """The text exposition of every metric."""
         out = []
 
@@ -103,6 +114,10 @@ class Metrics:
             family("requests_total", "counter", "HTTP requests answered, by status code",
                    [(f'requests_total{{code="{code}"}}', n)
                     for code, n in sorted(self.responses.items())])
+            family("connections_closed_total", "counter", "connections the server closed, by "
+                   "why: timeout (a request not whole in time), made_room, turned_away (503)",
+                   [(f'connections_closed_total{{reason="{reason}"}}', n)
+                    for reason, n in sorted(self.closed.items())])
             family("generations_total", "counter", "generations by how they finished "
                    "(stop, length, context_full, cancelled, failed)",
                    [(f'generations_total{{finish="{finish}"}}', n)
@@ -122,6 +137,8 @@ class Metrics:
         family("queue_capacity", "gauge", "requests that may wait (--queue)",
                [("queue_capacity", capacity)])
         family("busy", "gauge", "1 while the worker generates", [("busy", int(busy))])
+        family("open_connections", "gauge", "client connections open now",
+               [("open_connections", connections)])
         return "\n".join(out) + "\n"
 
 

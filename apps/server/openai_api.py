@@ -96,25 +96,50 @@ def generation_options(body: dict, allow_ignore_eos: bool = False, max_tokens: i
     context)."""
     if _number(body, "n", 1, integer=True) != 1:
         raise BadRequest("only n = 1 is supported", "n")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)):
-        raise BadRequest("stop must be a string or a list of up to 4 non-empty strings", "stop")
+    _refuse_unsupported(body)
     # a field the request leaves out (or null) is the model's default (Model.sampling)
     sampling = {name: _number(body, name, None, integer=name in ("top_k", "seed"))
                 for name in (*SAMPLING_FIELDS, "seed")}
     if (sampling["temperature"] or 0) > 2:
         raise BadRequest("temperature must be in [0, 2]", "temperature")
-    try:
-        SamplingParams().with_options(**sampling)
-    except EdgespecError as e:
-        raise BadRequest(str(e)) from e
+    for name, value in sampling.items():  # one at a time, so the error names its field
+        try:
+            SamplingParams().with_options(**{name: value})
+        except EdgespecError as e:
+            raise BadRequest(str(e), name) from e
     ignore_eos = _flag(body, "ignore_eos")
     if ignore_eos and not allow_ignore_eos:
         raise BadRequest("ignore_eos is off on this server (a reply could hold it for a whole "
                          "context); start it with --allow-ignore-eos", "ignore_eos")
-    return {"max_new_tokens": _max_new_tokens(body, max_tokens), "stop": stop,
+    return {"max_new_tokens": _max_new_tokens(body, max_tokens), "stop": _stops(body),
             "sampling": sampling, "ignore_eos": ignore_eos, "mode": _mode(body)}
+
+
+MAX_STOPS, MAX_STOP_CHARS = 4, 1000
+
+# fields that would change what a reply is, which this server does not do, and the value
+# that asks for nothing: a request giving anything else is refused rather than half-served
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None,), "tools": (None, []),
+               "tool_choice": (None, "none"), "functions": (None, []),
+               "function_call": (None, "none"), "logit_bias": (None, {}),
+               "response_format": (None, {"type": "text"})}
+
+
+def _refuse_unsupported(body):
+    for name, nothing in UNSUPPORTED.items():
+        if name in body and not any(body[name] == n and type(body[name]) is type(n)
+                                    for n in nothing):
+            raise BadRequest(f"{name} is not supported by this server; leave it out", name)
+
+
+def _stops(body) -> list:
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and len(stop) <= MAX_STOPS
+            and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)):
+        raise BadRequest(f"stop must be a string or a list of up to {MAX_STOPS} strings, each "
+                         f"of 1 to {MAX_STOP_CHARS} characters", "stop")
+    return [_unicode(s, "stop") for s in stop]
 
 
 def sampling_defaults(model) -> dict:
@@ -182,28 +207,51 @@ def completion_prompt(body: dict) -> str:
 
 
 class StopScanner:
-    """Cuts streamed text at the first stop string, holding back what may begin one."""
+    """Cuts streamed text at the first stop string, holding back what may begin one. Each
+    stop has a Knuth-Morris-Pratt matcher, so a character costs amortized constant time
+    however long the stops are, and at most the longest stop is ever held back."""
 
     def __init__(self, stops):
         self.stops, self.pending, self.stopped = stops, "", False
+        self.fallback = [_fallback(s) for s in stops]
+        self.matched = [0] * len(stops)  # per stop: its longest prefix that ends the text
 
     def feed(self, text: str) -> str:
         """The text that is safe to send now."""
+        start = len(self.pending)
         self.pending += text
-        for stop in self.stops:
-            at = self.pending.find(stop)
-            if at >= 0:
+        for i, char in enumerate(text):
+            longest = 0  # of the stops that end at this character: cut before the longest
+            for j, stop in enumerate(self.stops):
+                n = self.matched[j]
+                while n and stop[n] != char:
+                    n = self.fallback[j][n - 1]
+                n = self.matched[j] = n + (stop[n] == char)
+                if n == len(stop):
+                    longest = max(longest, n)
+            if longest:
                 self.stopped = True
-                out, self.pending = self.pending[:at], ""
+                out, self.pending = self.pending[:start + i + 1 - longest], ""
                 return out
-        hold = max((n for s in self.stops for n in range(1, len(s))
-                    if self.pending.endswith(s[:n])), default=0)
-        out, self.pending = self.pending[:len(self.pending) - hold], self.pending[len(self.pending) - hold:]
+        cut = len(self.pending) - max(self.matched, default=0)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
         return out
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+def _fallback(stop: str) -> list:
+    """KMP's failure function: for each prefix of stop, the length of its longest proper
+    prefix that is also its suffix."""
+    table, n = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while n and stop[i] != stop[n]:
+            n = table[n - 1]
+        n += stop[i] == stop[n]
+        table[i] = n
+    return table
 
 
 def new_id(prefix):

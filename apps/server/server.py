@@ -6,11 +6,12 @@ handler notices when a write fails or the socket closes, and the worker stops at
 piece of text.
 
 No client can stall the others: every job ends with a final event, whatever fails in it;
-every request gets an answer (a 4xx that says why, or a JSON 500); a connection stays open
-only while its client keeps talking (`Limits.client_timeout_s`), and only so many are open
-at once (`Limits.max_connections`, beyond which a connection is answered 503 and closed;
-see connections.py). With an API key, only the page (`/`) and /health answer without it.
+every request gets an answer (a 4xx that says why, or a JSON 500); a request must arrive
+whole within `Limits.client_timeout_s`, and only so many connections are open at once, a
+waiting one closed to make room for a new one (see connections.py). With an API key, only
+the page (`/`), its files and /health answer without it.
 """
+import contextlib
 import json
 import queue
 import sys
@@ -25,8 +26,8 @@ from edgespec.errors import EdgespecError
 from edgespec.model import stop_reply
 
 from . import openai_api as api
-from .connections import (RETRY_AFTER_S, Limits, Refused, Server, check_api_key, client_gone,
-                          linger, read_body, require_key)
+from .connections import (RETRY_AFTER_S, HeadTooLarge, Limits, Refused, RequestReader, Server,
+                          check_api_key, client_gone, linger, read_body, require_key)
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 from .metrics import Metrics
 from .page import HEADERS as PAGE_HEADERS
@@ -126,6 +127,49 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt, *args):  # one quiet line per request, to stderr
         sys.stderr.write(f"{self.address_string()} {fmt % args}\n")
 
+    def version_string(self):
+        return self.server_version  # not the Python version behind it
+
+    def setup(self):
+        super().setup()
+        self.rfile.close()  # the socket is read through the deadline-keeping reader instead
+        self.rfile = RequestReader(self.connection, self.limits.max_head_bytes,
+                                   lambda: self.metrics.connection_closed("timeout"))
+
+    def handle_one_request(self):
+        """One request, which must arrive whole within the client timeout; until it has, the
+        server may close this connection to make room for another."""
+        self.server.waiting(self.connection)
+        self.rfile.begin(self.limits.client_timeout_s)
+        self.command, self.request_version = "", self.default_request_version
+        try:
+            self.raw_requestline = self.rfile.readline()
+            if not self.raw_requestline:
+                self.close_connection = True
+                return
+            if not self.parse_request():  # it answered the error
+                return
+            if self.command != "POST":  # a POST is whole once its body is read
+                self.server.answering(self.connection)
+            getattr(self, f"do_{self.command}", self._method_not_allowed)()
+            self.wfile.flush()
+        except HeadTooLarge as e:
+            self.send_error(431, str(e))
+        except TimeoutError:  # a read (the request's deadline) or a write timed out
+            self.close_connection = True
+            if self.rfile.timed_out and self.rfile.received:  # not a connection left idle
+                with contextlib.suppress(OSError):
+                    self.send_error(408, "the request did not arrive whole within "
+                                    f"{self.limits.client_timeout_s} s (the server's "
+                                    "--client-timeout)")
+
+    def parse_request(self) -> bool:
+        self.requestline = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n")
+        if len(self.requestline.split()) == 2:  # HTTP/0.9's bare "GET /" has no headers
+            self.send_error(400, "HTTP/0.9 is not served here; send HTTP/1.0 or HTTP/1.1")
+            return False
+        return super().parse_request()
+
     def send_response(self, code, message=None):
         self.metrics.response(code)  # every answer passes here, errors of http.server too
         super().send_response(code, message)
@@ -170,7 +214,7 @@ class Handler(BaseHTTPRequestHandler):
                  "sampling": api.sampling_defaults(self.worker.model)}]})
         elif route == "/metrics":
             text = self.metrics.render(self.worker.jobs.qsize(), self.worker.jobs.maxsize,
-                                       self.worker.busy)
+                                       self.worker.busy, self.server.open_connections())
             self._send(200, METRICS_TYPE, text.encode())
         else:
             self._json(404, api.error_body(f"no route GET {self.path}", "not_found"))
@@ -213,6 +257,7 @@ class Handler(BaseHTTPRequestHandler):
         routes = {"/v1/chat/completions": self._chat, "/v1/completions": self._completion}
         # read even for a 404, so that the next request on the connection starts in step
         raw = read_body(self.headers, self.rfile, self.limits)
+        self.server.answering(self.connection)
         handler = routes.get(self._route())
         if handler is None:
             self._json(404, api.error_body(f"no route POST {self.path}", "not_found"))
@@ -373,8 +418,7 @@ def make_server(model, host="127.0.0.1", port=8000, queue_size=32, limits=Limits
         "api_key": None if api_key is None else check_api_key(api_key),
         "max_tokens": max_tokens})
     try:
-        httpd = Server((host, port), handler, limits.max_connections,
-                       on_turn_away=lambda: metrics.response(503))
+        httpd = Server((host, port), handler, limits, on_close=metrics.connection_closed)
     except OSError as e:
         raise EdgespecError(f"cannot listen on {host}:{port} ({e.strerror}); "
                             "choose another --port") from e
