@@ -1,11 +1,15 @@
 // The chat page of `edgespec serve`: streams replies from this server's
-// /v1/chat/completions (server-sent events) and shows what speculation did for each.
+// /v1/chat/completions (server-sent events), shows them as markdown and what speculation
+// did for each, and keeps the conversation across reloads.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const SAMPLING = ["temperature", "top_k", "top_p", "repetition_penalty"];
 const SETTINGS = ["system", ...SAMPLING, "max_tokens", "mode"];
+const CONVERSATION = "edgespec.conversation";  // local storage: the messages, as JSON
+// messages: {role, content} as sent to the server, and for replies their stats line
 const state = { messages: [], controller: null, model: "edgespec" };
+const markdown = new marked.Marked({ gfm: true, breaks: true });
 
 function authHeaders() {
   const key = $("api_key").value.trim();
@@ -37,12 +41,70 @@ async function loadModel() {
   }
 }
 
+// A reply's markdown as HTML that cannot run anything: DOMPurify drops scripts, event
+// handlers and javascript: links that marked passes through from the reply. Swapped in
+// whole, so the page changes once per render.
+function renderMarkdown(element, text) {
+  const html = DOMPurify.sanitize(markdown.parse(text),
+                                  { RETURN_DOM_FRAGMENT: true, FORBID_ATTR: ["style"] });
+  for (const pre of html.querySelectorAll("pre")) {
+    const block = document.createElement("div");
+    block.className = "code-block";
+    const copy = document.createElement("button");
+    copy.type = "button";
+    copy.className = "copy";
+    copy.textContent = "Copy";
+    pre.replaceWith(block);
+    block.append(copy, pre);  // beside the pre, not in it: stays put when the code scrolls
+  }
+  element.replaceChildren(html);
+}
+
+// Streamed text rendered at most once per frame: rendering re-parses the whole reply, so
+// once per piece would make long replies quadratic. The first piece shows at once.
+function liveRenderer(reply) {
+  let text = "", shown = null, frame = 0;
+  const render = () => {
+    frame = 0;
+    if (text === shown) return;
+    renderMarkdown(reply.body, text);
+    shown = text;
+    reply.div.scrollIntoView({ block: "end" });
+  };
+  return {
+    update(next) {
+      text = next;
+      if (shown === null) render();
+      else if (!frame) frame = requestAnimationFrame(render);
+    },
+    flush() {
+      cancelAnimationFrame(frame);
+      render();
+    },
+  };
+}
+
+async function copyCode(event) {
+  const button = event.target.closest("button.copy");
+  if (!button) return;
+  const code = button.parentElement.querySelector("pre");
+  try {
+    await navigator.clipboard.writeText(code.textContent);
+    button.textContent = "Copied";
+  } catch (_) {  // no clipboard API (plain http to another host): select it for Ctrl+C
+    getSelection().selectAllChildren(code);
+    button.textContent = "Selected";
+  }
+  setTimeout(() => { button.textContent = "Copy"; }, 1500);
+}
+
 function addMessage(role, text) {
   const div = document.createElement("div");
   div.className = "message " + role;
   const body = document.createElement("div");
   body.className = "text";
-  body.textContent = text;  // text, never HTML: a reply cannot inject markup
+  if (role === "assistant") renderMarkdown(body, text);
+  else body.textContent = text;  // what the user typed shows as typed
   const stats = document.createElement("div");
   stats.className = "stats";
   div.append(body, stats);
@@ -60,8 +122,8 @@ function number(id, parse) {
 
 function requestBody() {
   const system = $("system").value.trim();
-  const messages = system ? [{ role: "system", content: system }, ...state.messages]
-                          : state.messages;
+  const turns = state.messages.map(({ role, content }) => ({ role, content }));
+  const messages = system ? [{ role: "system", content: system }, ...turns] : turns;
   return {
     model: state.model, messages, stream: true, stream_options: { include_usage: true },
     temperature: number("temperature", parseFloat), top_k: number("top_k", integer),
@@ -127,6 +189,7 @@ async function send(event) {
   messages.push({ role: "user", content: text });
   const asked = addMessage("user", text);
   const reply = addMessage("assistant", "");
+  const live = liveRenderer(reply);
   const controller = new AbortController();
   state.controller = controller;
   setBusy(true);
@@ -144,13 +207,13 @@ async function send(event) {
       const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
       if (delta && delta.content) {
         content += delta.content;
-        reply.body.textContent = content;
-        reply.div.scrollIntoView({ block: "end" });
+        live.update(content);
       }
     }
   } catch (error) {
     if (error.name !== "AbortError") failure = error.message;
   }
+  live.flush();
   const stopped = controller.signal.aborted;
   if (failure && !content) {
     // nothing came back: take the message back so that it can be sent again
@@ -162,8 +225,9 @@ async function send(event) {
   } else {
     // a stopped or broken reply stays in the conversation as far as it got, as in the
     // terminal chat, so the next turn answers what the user saw
-    messages.push({ role: "assistant", content });
     reply.stats.textContent = stopped ? "stopped" : usage ? statsLine(usage) : "";
+    messages.push({ role: "assistant", content, stats: reply.stats.textContent });
+    if (messages === state.messages) saveConversation();  // unless New chat came since
     if (failure) setStatus(failure);
   }
   state.controller = null;
@@ -179,7 +243,36 @@ function newChat() {
   stop();
   state.messages = [];
   $("conversation").replaceChildren();
+  localStorage.removeItem(CONVERSATION);
   setStatus("");
+}
+
+// saved once a reply is complete: a reload mid-reply loses only that turn
+function saveConversation() {
+  try {
+    localStorage.setItem(CONVERSATION, JSON.stringify(state.messages));
+  } catch (_) {
+    setStatus("The conversation is too long to keep across reloads (local storage is full).");
+  }
+}
+
+// the conversation of the last visit; a stored value that is not one is dropped
+function restoreConversation() {
+  let saved = null;
+  try {
+    saved = JSON.parse(localStorage.getItem(CONVERSATION));
+  } catch (_) { /* not JSON: dropped below */ }
+  const valid = Array.isArray(saved) && saved.every((m) => m && typeof m.content === "string"
+    && (m.role === "user" || m.role === "assistant"));
+  if (!valid) {
+    localStorage.removeItem(CONVERSATION);
+    return;
+  }
+  state.messages = saved;
+  for (const message of saved) {
+    const shown = addMessage(message.role, message.content);
+    if (typeof message.stats === "string") shown.stats.textContent = message.stats;
+  }
 }
 
 // settings last between visits (local storage); the API key only for this tab's life
@@ -198,6 +291,8 @@ function restoreSettings() {
 
 document.addEventListener("DOMContentLoaded", () => {
   restoreSettings();
+  restoreConversation();
+  $("conversation").addEventListener("click", copyCode);
   $("composer").addEventListener("submit", send);
   $("stop").addEventListener("click", stop);
   $("new-chat").addEventListener("click", newChat);
