@@ -1,6 +1,7 @@
 """What is on disk: an exported artifact directory, checked before anything runs."""
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ GRAPHS = ("lower", "upper", "head")
 DRAFT_GRAPH, DRAFT_VOCAB = "draft", "draft_vocab.npy"  # optional: exit adapter, shortlist
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 ARCH_NUMBERS = ("vocab_size", "hidden_size", "num_layers", "num_kv_heads", "head_dim")
+MAX_CONTEXT = 1 << 20  # beyond this a KV cache is too large for any device edgespec targets
 CHOICES = {"device": ("cpu", "cuda"), "activation_dtype": ("float32", "float16")}  # optional
 DRAFT_POLICY = {"k": int, "lookup_k": int, "threshold": (int, float), "adaptive": bool}
 
@@ -86,13 +88,18 @@ def open_artifact(path, verify: bool = True) -> Artifact:
         manifest = json.loads((path / MANIFEST).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise EdgespecError(f"{path / MANIFEST} is corrupt ({e}); export the model again") from e
-    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    problem = _Problem(path / MANIFEST)
+    if not isinstance(manifest, dict):
+        raise problem(f"holds {_shown(manifest)}, not a JSON object")
+    version = problem.field(manifest, "format_version")
+    problem.require(_is_int(version, 0), "format_version", version,
+                    f"the integer {FORMAT_VERSION}")
     if version != FORMAT_VERSION:
         raise EdgespecError(f"{path} has artifact format version {version}, this edgespec "
                             f"reads version {FORMAT_VERSION}; export the model again")
-    _check_manifest(manifest, _Problem(path / MANIFEST))
+    _check_manifest(manifest, problem)
     for name, info in manifest["files"].items():
-        _check_file(path / name, info, verify)
+        _check_file(path, name, info, verify)
     artifact = Artifact(path, manifest)
     if DRAFT_VOCAB in manifest["files"]:
         artifact._draft_vocab = _load_draft_vocab(path / DRAFT_VOCAB, manifest)
@@ -135,12 +142,15 @@ def _check_manifest(manifest, problem):
     for key in ARCH_NUMBERS:
         value = problem.field(arch, key, "architecture.")
         problem.require(_is_int(value, 1), f"architecture.{key}", value, "an integer >= 1")
+    head_dim = arch["head_dim"]  # rotary embeddings turn pairs of dimensions
+    problem.require(head_dim % 2 == 0, "architecture.head_dim", head_dim, "an even integer")
     layers, vocab = arch["num_layers"], arch["vocab_size"]
     exit_layer = problem.field(manifest, "exit_layer")
     problem.require(_is_int(exit_layer, 1, layers), "exit_layer", exit_layer,
                     f"an integer in 1..{layers - 1}")
     context = problem.field(manifest, "max_context")
-    problem.require(_is_int(context, 2), "max_context", context, "an integer >= 2")
+    problem.require(_is_int(context, 2, MAX_CONTEXT + 1), "max_context", context,
+                    f"an integer in 2..{MAX_CONTEXT} (export with a smaller --max-context)")
     eos = problem.field(manifest, "eos_token_ids")
     problem.require(isinstance(eos, list) and all(_is_int(t, 0, vocab) for t in eos),
                     "eos_token_ids", eos, f"a list of token ids in 0..{vocab - 1}")
@@ -211,7 +221,12 @@ def _plain_name(name: str) -> bool:
         not Path(name).is_absolute()
 
 
-def _check_file(file: Path, info: dict, verify: bool):
+def _check_file(artifact: Path, name: str, info: dict, verify: bool):
+    file = artifact / name  # a plain name (_check_file_list): only a link can lead out
+    if file.is_symlink():
+        raise EdgespecError(f"{file} is a symbolic link (to {os.readlink(file)}); an "
+                            "artifact's files must be plain files inside it: replace the link "
+                            "with a copy of the file, or export the model again")
     if not file.is_file():
         raise EdgespecError(f"{file} is missing; export the model again")
     if file.stat().st_size != info["bytes"]:

@@ -5,8 +5,10 @@ import sys
 import threading
 
 from .errors import EdgespecError
+from .model import stop_reply
 from .sampling import SamplingParams
 from .speculative import SpecStats
+from .tokenizer import check_utf8
 
 HELP = """commands:
   /help                 this list
@@ -93,8 +95,10 @@ class ChatSession:
         if self.last is None:
             return f"[no reply yet; {cache}]"
         r = self.last
-        line = (f"[last reply: {r.n_generated} tokens, {r.decode_tokens_per_s:.1f} tokens/s, "
-                f"prefilled {r.n_prefilled} of {r.n_prompt} prompt tokens, {r.mode}; "
+        stopped = " (stopped with Ctrl-C)" if r.finish_reason == "cancelled" else ""
+        line = (f"[last reply{stopped}: {r.n_generated} tokens, "
+                f"{r.decode_tokens_per_s:.1f} tokens/s, prefilled {r.n_prefilled} of "
+                f"{r.n_prompt} prompt tokens, {r.mode}; "
                 f"{SamplingParams(**r.sampling).describe()}; {cache}]")
         if r.stats:
             line += "\n[" + SpecStats.from_dict(r.stats).line() + "]"
@@ -110,16 +114,19 @@ class ChatSession:
             if not self._fit_context():
                 return
             result = self._stream(reply)
-        except KeyboardInterrupt:
-            self.say("\n[stopped]")
+        except KeyboardInterrupt:  # before the reply began
+            pass
         self.messages.append({"role": "assistant", "content": "".join(reply)})
-        if result is not None:
-            self.last = result
+        self.last = result  # what /stats shows: this reply, stopped or not
+        if result is None or result.finish_reason == "cancelled":
+            self.say("\n[stopped]")
+        else:
             self.say()
             self.say(self._summary(result))
 
     def _stream(self, reply: list):
-        """Print the reply as it is generated (appending its pieces); its Generation."""
+        """Print the reply as it is generated (appending its pieces); its Generation, with
+        finish_reason "cancelled" when Ctrl-C stopped it (None if it had not begun)."""
         options = dict(self.settings)
         max_new, mode = options.pop("max_new_tokens", 512), options.pop("mode", "speculative")
         pieces = self.model.stream_ids(self.model.codec.encode_chat(self.messages), max_new,
@@ -135,9 +142,9 @@ class ChatSession:
                     colour = self.show_drafts and piece.drafted
                     self.out.write(f"{DRAFTED}{piece.text}{PLAIN}" if colour else piece.text)
                     self.out.flush()
+                return stop_reply(pieces)  # Ctrl-C: end here, keeping what the reply did
             finally:
                 pieces.close()
-        raise KeyboardInterrupt  # Ctrl-C stopped the loop: turn() keeps the partial reply
 
     def _summary(self, r) -> str:
         parts = [f"{r.n_generated} tokens", f"{r.decode_tokens_per_s:.1f} tok/s"]
@@ -189,11 +196,16 @@ def run(model, settings: dict, system=None, show_drafts=False):
     while True:
         try:
             line = input("you> ").strip()
+            check_utf8(line, "that line")
         except EOFError:
             session.say()
             return
         except KeyboardInterrupt:
             session.say("\n[Ctrl-D or /exit leaves]")
+            continue
+        except (UnicodeDecodeError, EdgespecError) as e:  # a terminal that is not UTF-8
+            reason = e if isinstance(e, EdgespecError) else "that line is not valid UTF-8"
+            session.say(f"[{reason}; nothing was sent]")
             continue
         if not line:
             continue

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from .errors import EdgespecError
+from .tokenizer import check_utf8
 
 EXAMPLES = """examples:
   edgespec export                          # the bundled SmolLM2-135M-Instruct -> models/smollm2-135m-instruct
@@ -161,6 +162,7 @@ def _chat(args):
     SamplingParams().with_options(**_sampling(args))  # refuse bad values before loading
     if args.max_new_tokens < 1:
         raise EdgespecError(f"invalid max-new-tokens {args.max_new_tokens}: it must be >= 1")
+    check_utf8(args.system, "the system message (--system)")
     model = _load(args)
     draft = _draft(args)
     model.draft_policy(**draft)  # refuse bad values before the chat starts
@@ -313,7 +315,8 @@ def _runtime_args(p):
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="execution provider (default: CUDA if the artifact was built for it "
                    "and onnxruntime-gpu sees a GPU, else CPU)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: ORT's)")
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="CPU threads, >= 1 (default: ORT's)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the sha256 check of the artifact's files (sizes are still checked)")
 
@@ -338,9 +341,12 @@ def _export(args):
 
 def _positive(text):
     """An argparse type: an integer >= 1."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer: it must be >= 1")
     return value
 
 
@@ -355,6 +361,8 @@ def _auto_or(kind):
 def _generate(args):
     from .sampling import SamplingParams
     from .speculative import SpecStats
+    check_utf8(args.prompt, "the prompt (-p)")
+    check_utf8(args.system, "the system message (--system)")
     model = _load(args)
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
     result = model.generate(args.prompt, max_new_tokens=args.max_new_tokens, raw=args.raw,

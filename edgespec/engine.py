@@ -26,7 +26,7 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as ort_state
 
-from .artifact import Artifact
+from .artifact import MANIFEST, Artifact
 from .errors import EdgespecError
 
 CHUNK = 256  # the most positions one call handles (prefill is cut into chunks)
@@ -100,6 +100,36 @@ class _Call:
         self.session.run_with_iobinding(self.binding)
 
 
+def _check_graphs(artifact: Artifact, sessions: dict):
+    """The manifest's architecture numbers are the graphs' own: the engine sizes its buffers
+    from them, and a mismatch would fail deep inside ONNX Runtime, in words about tensors."""
+    def agree(graph, tensor, axis, key, want):
+        have = tensor.shape[axis] if len(tensor.shape) > axis else None
+        if isinstance(have, int) and have != want:
+            raise EdgespecError(f"{artifact.path / MANIFEST} says {key} is {want}, but "
+                                f"{graph}.onnx's {tensor.name} has {have} there; export the "
+                                "model again")
+
+    a = artifact.arch
+    for graph, session in sessions.items():
+        for tensor in session.get_inputs():
+            if tensor.name.startswith("past_"):  # [1, kv heads, positions, head dim]
+                agree(graph, tensor, 1, "architecture.num_kv_heads", a["num_kv_heads"])
+                agree(graph, tensor, 3, "architecture.head_dim", a["head_dim"])
+            elif tensor.name in ("hidden", "exit_hidden"):  # [1, rows, hidden size]
+                agree(graph, tensor, 2, "architecture.hidden_size", a["hidden_size"])
+    agree("head", sessions["head"].get_outputs()[0], 2, "architecture.vocab_size",
+          a["vocab_size"])
+    layers = {"lower": artifact.exit_layer, "upper": a["num_layers"] - artifact.exit_layer}
+    for graph, want in layers.items():
+        have = sum(i.name.startswith("past_key") for i in sessions[graph].get_inputs())
+        if have != want:
+            raise EdgespecError(f"{artifact.path / MANIFEST} says architecture.num_layers is "
+                                f"{a['num_layers']} and exit_layer {artifact.exit_layer}, so "
+                                f"{graph}.onnx should hold {want} layers, but it holds {have}; "
+                                "export the model again")
+
+
 class Engine:
     def __init__(self, artifact: Artifact, device: str = "auto", threads: int = None):
         self.artifact = artifact
@@ -113,6 +143,7 @@ class Engine:
                                                            providers=[self.provider])
             except Exception as e:  # ORT raises its own types for bad graphs and data
                 raise EdgespecError(f"cannot load {artifact.graph(name)}: {e}") from e
+        _check_graphs(artifact, self.sessions)
         a = artifact.arch
         self.hidden_size, self.vocab_size = a["hidden_size"], a["vocab_size"]
         self.max_context = artifact.max_context

@@ -1,19 +1,24 @@
 """`edgespec chat` through a pseudo-terminal, and the multi-turn Python API."""
 import io
+import os
 import re
+import signal
 import sys
 
 import pexpect
 import pytest
 
 import edgespec
+from edgespec.chat import ChatSession
 
 SUMMARY = r"\[\d+ tokens, [\d.]+ tok/s, accepted \d+/\d+ \(\d+%\), [\d.]+ tokens/round"
 
 
 def spawn_chat(artifact, *args, timeout=60):
+    # surrogateescape: a test can type bytes that are not UTF-8 ("\udcff" is the byte 0xff)
     child = pexpect.spawn(sys.executable, ["-m", "edgespec", "chat", str(artifact), *args],
-                          encoding="utf-8", timeout=timeout, dimensions=(40, 200))
+                          encoding="utf-8", codec_errors="surrogateescape", timeout=timeout,
+                          dimensions=(40, 200))
     child.expect("you> ")
     return child
 
@@ -50,6 +55,47 @@ def test_exit_command_leaves_cleanly(tiny_int4):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(tiny_int4):
+    child = spawn_chat(tiny_int4, "--max-new-tokens", "4")
+    child.sendline("caf\udce9")  # "café" in Latin-1
+    child.expect(r"\[that line is not valid UTF-8 \(byte 0xe9 at character 3\).*nothing was "
+                 r"sent\]")
+    child.expect("you> ")
+    child.sendline("hello")
+    child.expect(r"\[\d+ tokens")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+class CtrlCOnWrite(io.StringIO):
+    """A terminal whose user presses Ctrl-C once the next reply starts printing."""
+    armed = False
+
+    def write(self, text):
+        if self.armed:
+            self.armed = False
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().write(text)
+
+
+def test_stats_after_ctrl_c_shows_the_stopped_reply(tiny_int4):
+    model = edgespec.load(tiny_int4)
+    model.stop_ids = set()  # replies run to max_new_tokens unless stopped
+    out = CtrlCOnWrite()
+    session = ChatSession(model, {"max_new_tokens": 40, "temperature": 0}, out=out)
+    session.turn("hello there")
+    finished = session.last
+    out.armed = True
+    session.turn("and again")
+    stopped = session.last
+    assert stopped is not finished and stopped.finish_reason == "cancelled"
+    assert stopped.n_generated < finished.n_generated == 40
+    session.command("/stats")
+    assert f"[last reply (stopped with Ctrl-C): {stopped.n_generated} tokens" in out.getvalue()
 
 
 def test_a_full_context_drops_the_oldest_turns_without_a_crash(tiny_checkpoint, tmp_path):

@@ -1,5 +1,6 @@
 """`edgespec generate` and the Python API: streaming, JSON, limits and bad input."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -109,3 +110,22 @@ def test_invalid_sampling_values_are_one_line_errors(tiny_int4, flag, value, nam
     result = run_cli("generate", tiny_int4, "-p", "hi", flag, value)
     assert result.returncode == 2
     assert f"invalid {name}" in one_error_line(result.stderr)
+
+
+@pytest.mark.parametrize("flag", ["-p", "--system"])
+def test_command_line_text_that_is_not_utf8_is_a_one_line_error(tiny_int4, flag):
+    not_utf8 = os.fsdecode(b"caf\xe9")  # "café" in Latin-1: passed on as the byte 0xe9
+    args = ["-p", "hi", "--system", "be brief"]
+    args[args.index(flag) + 1] = not_utf8
+    result = run_cli("generate", tiny_int4, *args)
+    assert result.returncode == 2
+    assert "is not valid UTF-8 (byte 0xe9 at character 3)" in one_error_line(result.stderr)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench", "serve"])
+@pytest.mark.parametrize("threads", ["0", "-3"])
+def test_threads_below_one_are_refused(tiny_int4, command, threads):
+    result = run_cli(command, tiny_int4, "-p", "hi", "--threads", threads) \
+        if command == "generate" else run_cli(command, tiny_int4, "--threads", threads)
+    assert result.returncode == 2
+    assert f"--threads: {threads} is not a positive integer: it must be >= 1" in result.stderr

@@ -58,6 +58,12 @@ def test_another_format_version_is_refused(artifact_copy):
         edgespec.load(artifact_copy)
 
 
+def test_a_format_version_that_is_not_an_integer_says_which_integer(artifact_copy):
+    edit_manifest(artifact_copy, lambda m: m.update(format_version="2"))
+    with pytest.raises(EdgespecError, match='format_version is "2"; it must be the integer 2'):
+        edgespec.load(artifact_copy)
+
+
 def test_the_cli_reports_a_bad_artifact_in_one_line_and_exits_non_zero(artifact_copy):
     (artifact_copy / "head.onnx").unlink()
     result = run_cli("generate", artifact_copy, "-p", "hi")
@@ -108,13 +114,26 @@ def test_a_file_name_that_is_not_a_plain_name_in_the_artifact_is_refused(artifac
         edgespec.load(artifact_copy)
 
 
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_file_that_is_a_symbolic_link_is_refused(artifact_copy, verify):
+    # the link's target has the size and hash the manifest gives: only the link is wrong
+    outside = artifact_copy.parent / "elsewhere.jinja"
+    rewrite_artifact_file(artifact_copy, "chat_template.jinja", b"{{ messages }}")
+    (artifact_copy / "chat_template.jinja").rename(outside)
+    (artifact_copy / "chat_template.jinja").symlink_to(outside)
+    with pytest.raises(EdgespecError, match=f"chat_template.jinja is a symbolic link \\(to "
+                                            f"{outside}\\).*plain files inside it"):
+        edgespec.load(artifact_copy, verify=verify)
+
+
 # -- the manifest's fields: checked on open, one line naming the field -----------------------
 
 DELETE = object()
 FIELD_CASES = [
     ("max_context", DELETE), ("architecture", DELETE), ("architecture.hidden_size", DELETE),
     ("eos_token_ids", DELETE), ("exit_layer", DELETE), ("chat_template", DELETE),
-    ("files", DELETE), ("max_context", "512"), ("max_context", 0),
+    ("files", DELETE), ("max_context", "512"), ("max_context", 0), ("max_context", 10**12),
+    ("architecture.head_dim", 65), ("format_version", DELETE),
     ("architecture.num_kv_heads", 2.5), ("architecture.vocab_size", True),
     ("exit_layer", 4), ("eos_token_ids", 2), ("eos_token_ids", [10**6]),
     ("activation_dtype", "bfloat16"), ("device", "tpu"), ("draft", []), ("draft.k", "4"),
@@ -148,6 +167,34 @@ def test_a_manifest_field_missing_or_of_the_wrong_kind_is_named(artifact_copy, f
     shown = field[len("files."):] if field.startswith("files.") else field
     with pytest.raises(EdgespecError, match=f"manifest.json.*{shown}"):
         edgespec.load(artifact_copy, verify=False)
+
+
+def test_a_max_context_too_large_says_the_bound_and_what_to_do(artifact_copy):
+    edit_manifest(artifact_copy, lambda m: m.update(max_context=10**12))
+    with pytest.raises(EdgespecError, match="max_context is 1000000000000; it must be an "
+                                            "integer in 2..1048576 .*smaller --max-context"):
+        edgespec.load(artifact_copy)
+
+
+@pytest.mark.parametrize("field, value, tensor", [
+    ("head_dim", 18, "lower.onnx's past_key.0 has 16"),
+    ("num_kv_heads", 1, "lower.onnx's past_key.0 has 2"),
+    ("hidden_size", 96, "upper.onnx's exit_hidden has 64"),
+    ("vocab_size", 400, "head.onnx's logits has 364"),
+    ("num_layers", 6, "upper.onnx should hold 3 layers, but it holds 1"),
+])
+def test_architecture_numbers_the_graphs_disagree_with_are_named(artifact_copy, field, value,
+                                                                  tensor):
+    edit_manifest(artifact_copy, lambda m: m["architecture"].update({field: value}))
+    with pytest.raises(EdgespecError, match=f"manifest.json says .*{field} is {value}.*{tensor}"):
+        edgespec.load(artifact_copy, verify=False)
+
+
+def test_a_tokenizer_config_that_is_not_an_object_is_named(artifact_copy):
+    rewrite_artifact_file(artifact_copy, "tokenizer_config.json", b"[1]")
+    with pytest.raises(EdgespecError, match=r"tokenizer_config.json holds \[1\]; it must be a "
+                                            "JSON object"):
+        edgespec.load(artifact_copy)
 
 
 def test_the_cli_names_a_missing_manifest_field_in_one_line(artifact_copy):
