@@ -8,15 +8,13 @@ its own kernels); --questions takes another set of the same form.
     .venv-peers/bin/python benchmarks/fidelity.py models/smollm2-135m-instruct --llama-cpp
 """
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import edgespec  # noqa: E402
-from edgespec.export import fidelity  # noqa: E402
+import edgespec
+from edgespec.export import fidelity
 
 
 class LlamaCpp:
