@@ -52,7 +52,7 @@ def main():
     p.add_argument("artifact", type=Path, help="the default calibrated artifact")
     p.add_argument("--model", help="the model the artifact was exported from (default: the "
                    "bundled SmolLM2)")
-    p.add_argument("--adapter", default="models/adapters/smollm2-135m-instruct.npz",
+    p.add_argument("--adapter", default="export/data/adapters/smollm2-135m-instruct.npz",
                    help="the exit adapter for the '+ adapter' artifact")
     p.add_argument("--out", type=Path, default=Path("ablation"), help="folder for bench JSON")
     args, bench_args = p.parse_known_args()  # the rest goes to every `edgespec bench`

@@ -8,15 +8,13 @@ its own kernels); --questions takes another set of the same form.
     .venv-peers/bin/python benchmarks/fidelity.py models/smollm2-135m-instruct --llama-cpp
 """
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import edgespec  # noqa: E402
-from export import fidelity  # noqa: E402
+import edgespec
+from edgespec.export import fidelity
 
 
 class LlamaCpp:
@@ -51,7 +49,7 @@ def main():
     p.add_argument("--llama-cpp", action="store_true", help="also judge llama.cpp on the GGUF")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    from export.source import default_model_path, load_source
+    from edgespec.export.source import default_model_path, load_source
     models = [edgespec.load(path, threads=args.threads) for path in args.artifacts]
     first = models[0]
     origin = first.artifact.manifest["source"]["model"]

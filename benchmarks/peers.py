@@ -129,7 +129,7 @@ def build_genai(model, out: Path):
     from a float32 Hugging Face checkpoint (a GGUF is dequantized by transformers first)."""
     import subprocess
     from transformers import AutoModelForCausalLM
-    from export.source import load_source
+    from edgespec.export.source import load_source
     source = load_source(model)
     config = source.torch_model.config
     if hasattr(config, "quantization_config"):  # set by the GGUF reader; not a real one
@@ -148,8 +148,8 @@ def genai_quality(artifact, genai_dir):
     """The quality passage scored by genai's model (one ONNX Runtime call, empty cache) and
     by the artifact (its manifest), against the same full-precision reference."""
     import onnxruntime as ort
-    from export import quality
-    from export.source import load_source
+    from edgespec.export import quality
+    from edgespec.export.source import load_source
     manifest = json.loads((Path(artifact) / "manifest.json").read_text())
     source = load_source(None if manifest["source"]["model"].startswith("bundled:")
                          else manifest["source"]["model"])

@@ -25,7 +25,7 @@ def transformers_reference(source, threads):
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(threads)
-    from export.source import locate
+    from edgespec.export.source import locate
     where, gguf_file, _, _ = locate(source)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs).eval()

@@ -1,4 +1,4 @@
-"""The `edgespec` command: export, chat, generate, bench, serve."""
+"""The `edgespec` command: export, chat, generate, bench, serve, desktop."""
 import argparse
 import dataclasses
 import json
@@ -17,6 +17,7 @@ EXAMPLES = """examples:
   edgespec generate models/smollm2-135m-instruct -p "Hi" --temperature 0.7 --seed 1 --json
   edgespec bench models/smollm2-135m-instruct --prompts ../shared/data/spec_bench_dev.jsonl --per-category 3
   edgespec serve models/smollm2-135m-instruct --port 8000
+  edgespec desktop models/smollm2-135m-instruct
 """
 
 
@@ -291,7 +292,7 @@ def _serve_args(sub, common):
 
 def _serve(args):
     try:
-        from apps.server.server import Limits, check_api_key, serve
+        from .apps.server.server import Limits, check_api_key, serve
     except ImportError as e:
         raise EdgespecError(f"edgespec serve needs the apps package ({e})") from e
     limits = Limits(args.max_body_bytes, args.client_timeout, args.max_connections,
@@ -311,6 +312,35 @@ def _serve(args):
           max_tokens=args.max_tokens, ready=ready)
 
 
+def _desktop_args(sub, common):
+    p = _artifact_command(sub, common, "desktop", "a chat window on the desktop (Tk)",
+                          "A desktop chat window that runs the model in this process: the "
+                          "reply streams in while the window stays responsive, Stop ends it, "
+                          "and the status line gives its numbers (tokens/s, acceptance).")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default: 256)")
+    p.add_argument("--plain", action="store_true", help="plain decoding instead of speculative")
+    _sampling_args(p)
+    _draft_args(p)
+    _runtime_args(p)
+    p.set_defaults(run=_desktop)
+
+
+def _desktop(args):
+    try:
+        from .apps.desktop.chat_window import run
+    except ImportError as e:  # tkinter is a separate package on some systems
+        raise EdgespecError(f"edgespec desktop needs tkinter ({e}): install your Python's Tk "
+                            "(on Debian and Ubuntu: apt-get install python3-tk)") from e
+    from .sampling import SamplingParams
+    SamplingParams().with_options(**_sampling(args))  # refuse bad values before loading
+    if args.max_new_tokens < 1:
+        raise EdgespecError(f"invalid max-new-tokens {args.max_new_tokens}: it must be >= 1")
+    model = _load(args)
+    model.draft_policy(**_draft(args))  # refuse bad values before the window opens
+    run(model, args.max_new_tokens, mode="plain" if args.plain else "speculative",
+        **_draft(args), **_sampling(args))
+
+
 def _runtime_args(p):
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="execution provider (default: CUDA if the artifact was built for it "
@@ -323,7 +353,7 @@ def _runtime_args(p):
 
 def _export(args):
     try:
-        from export.pipeline import export_model
+        from .export.pipeline import export_model
     except ImportError as e:
         raise EdgespecError(f"edgespec export needs the export extra ({e.name} is missing): "
                             "pip install 'edgespec[export]'") from e
@@ -399,6 +429,7 @@ def parser():
     _generate_args(sub, _common(argparse.SUPPRESS))
     _bench_args(sub, _common(argparse.SUPPRESS))
     _serve_args(sub, _common(argparse.SUPPRESS))
+    _desktop_args(sub, _common(argparse.SUPPRESS))
     return p
 
 

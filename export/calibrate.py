@@ -171,7 +171,7 @@ def final_policies(k):
 
 # -- adapter files: a trained adapter kept for reuse (fp16, small) --------------------------
 
-READY = Path(__file__).resolve().parent.parent / "models" / "adapters"
+READY = Path(__file__).parent / "data" / "adapters"  # shipped in the package
 
 
 def save_adapter(path, weights: dict, exit_layer: int, counts, meta: dict):

@@ -6,7 +6,7 @@ import subprocess
 import pytest
 from helpers import make_checkpoint, quiet
 
-from export.pipeline import export_model
+from edgespec.export.pipeline import export_model
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +41,7 @@ def long_artifact(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():
-    from export.source import default_model_path
+    from edgespec.export.source import default_model_path
     return default_model_path()
 
 

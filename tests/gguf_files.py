@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from export.gguf import _GEMMA3_NAMES, _GLOBAL_NAMES, _LAYER_NAMES
+from edgespec.export.gguf import _GEMMA3_NAMES, _GLOBAL_NAMES, _LAYER_NAMES
 
 
 def gguf_name(hf_name: str, model_type: str) -> str:

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
 from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig,
                           PreTrainedTokenizerFast, Qwen2Config)
 
-from export.source import HF_SAMPLING
+from edgespec.export.source import HF_SAMPLING
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

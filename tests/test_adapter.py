@@ -10,11 +10,11 @@ from helpers import quiet
 from onnx import numpy_helper
 
 from edgespec.engine import PAD_ROWS, _session_options
-from export.adapter import (AdapterLayer, agreement, collect, distill_loss, head_weights,
-                            layer_weights, train)
-from export.graph import Blocks, Graph
-from export.pipeline import export_model
-from export.source import Architecture, load_source
+from edgespec.export.adapter import (AdapterLayer, agreement, collect, distill_loss,
+                                     head_weights, layer_weights, train)
+from edgespec.export.graph import Blocks, Graph
+from edgespec.export.pipeline import export_model
+from edgespec.export.source import Architecture, load_source
 
 PROMPTS = ["the quick brown fox", "hello world, how are you?", "numbers 0 1 2 3"]
 MANY_PROMPTS = [f"{a} {b}" for a in ("hello", "the lazy dog", "numbers 4 5", "speculative")

@@ -2,8 +2,8 @@
 import pytest
 from helpers import quiet
 
-from export import budget, calibrate
-from export.pipeline import export_model
+from edgespec.export import budget, calibrate
+from edgespec.export.pipeline import export_model
 
 SIZES = budget.Sizes(held_out=12, measure_tokens=96, train_prompts=200, train_tokens=128,
                      k_candidates=4, shortlist_sizes=3, final_policies=5)

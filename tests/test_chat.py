@@ -101,7 +101,7 @@ def test_stats_after_ctrl_c_shows_the_stopped_reply(tiny_int4):
 def test_a_full_context_drops_the_oldest_turns_without_a_crash(tiny_checkpoint, tmp_path):
     from helpers import quiet
 
-    from export.pipeline import export_model
+    from edgespec.export.pipeline import export_model
     export_model(str(tiny_checkpoint), tmp_path / "small", max_context=96, log=quiet)
     child = spawn_chat(tmp_path / "small", "--max-new-tokens", "20")
     child.logfile_read = transcript = io.StringIO()

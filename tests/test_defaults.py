@@ -12,7 +12,7 @@ import edgespec
 from edgespec import cli
 from edgespec.chat import ChatSession
 from edgespec.sampling import CHAT_DEFAULTS, SAMPLING_FIELDS, SamplingParams
-from export.pipeline import export_model
+from edgespec.export.pipeline import export_model
 
 RECOMMENDED = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "repetition_penalty": 1.2}
 MESSAGES = [{"role": "user", "content": "hello world"}]
@@ -101,7 +101,7 @@ def test_every_entry_point_samples_with_the_models_defaults(recommending, displa
 
     # the desktop app
     import tkinter as tk
-    from apps.desktop.chat_window import ChatWindow
+    from edgespec.apps.desktop.chat_window import ChatWindow
     root = tk.Tk()
     window = ChatWindow(root, edgespec.load(recommending), max_new_tokens=12, seed=3)
     window.send("hello world")

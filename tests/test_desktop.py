@@ -1,12 +1,15 @@
-"""The desktop example: a Tk window on a virtual screen embeds the runtime and streams a reply."""
+"""The desktop app (`edgespec desktop`): a Tk window on a virtual screen embeds the runtime
+and streams a reply."""
+import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 
 
 import edgespec
-from helpers import pump
+from helpers import one_error_line, pump
 
 
 def shown(pieces) -> str:
@@ -17,7 +20,7 @@ def shown(pieces) -> str:
 def test_the_window_streams_a_reply_and_stays_responsive(display, tiny_int4, tmp_path):
     import tkinter as tk
 
-    from apps.desktop.chat_window import ChatWindow
+    from edgespec.apps.desktop.chat_window import ChatWindow
     root = tk.Tk()
     # ignore_eos: the random model may end its turn at once; this reply has 200 tokens
     window = ChatWindow(root, edgespec.load(tiny_int4), max_new_tokens=200, ignore_eos=True)
@@ -48,7 +51,7 @@ def test_the_window_streams_a_reply_and_stays_responsive(display, tiny_int4, tmp
 def test_stop_interrupts_a_reply_and_the_conversation_goes_on(display, long_artifact):
     import tkinter as tk
 
-    from apps.desktop.chat_window import ChatWindow
+    from edgespec.apps.desktop.chat_window import ChatWindow
     root = tk.Tk()
     # ignore_eos: the random model would end its turn at any token; this reply runs on
     window = ChatWindow(root, edgespec.load(long_artifact), max_new_tokens=4000,
@@ -74,3 +77,37 @@ def test_stop_interrupts_a_reply_and_the_conversation_goes_on(display, long_arti
     assert window.messages[3] == {"role": "assistant", "content": fresh.text}
     assert not window.status.cget("text").endswith("(stopped)")
     root.destroy()
+
+
+def test_edgespec_desktop_opens_the_window_with_the_options_given(display, tiny_int4,
+                                                                   monkeypatch):
+    import tkinter as tk
+
+    from edgespec.apps.desktop import chat_window
+    from edgespec.cli import main
+    windows, real = [], chat_window.ChatWindow
+
+    def window(*args, **kwargs):
+        windows.append(real(*args, **kwargs))
+        return windows[-1]
+
+    def mainloop(root):  # in place of a user: one message, its reply, then close
+        windows[0].send("hello")
+        pump(root, lambda: not windows[0].busy)
+        root.destroy()
+    monkeypatch.setattr(chat_window, "ChatWindow", window)
+    monkeypatch.setattr(tk.Tk, "mainloop", mainloop)
+    assert main(["desktop", str(tiny_int4), "--plain", "--max-new-tokens", "5",
+                 "--temperature", "0", "--threads", "1"]) == 0
+    reply = windows[0].last
+    assert (reply.mode, reply.sampling["temperature"]) == ("plain", 0.0)
+    assert 0 < reply.n_generated <= 5
+
+
+def test_edgespec_desktop_without_a_display_says_so(tiny_int4):
+    env = {k: v for k, v in os.environ.items() if k != "DISPLAY"}
+    result = subprocess.run([sys.executable, "-m", "edgespec", "desktop", str(tiny_int4)],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2
+    assert one_error_line(result.stderr).startswith("error: cannot open a window (")
+    assert "DISPLAY" in result.stderr

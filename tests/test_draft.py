@@ -5,10 +5,10 @@ import torch
 from helpers import quiet
 
 import edgespec
-from export import calibrate
-from export.adapter import AdapterLayer, head_weights, layer_weights
-from export.pipeline import export_model
-from export.source import load_source
+from edgespec.export import calibrate
+from edgespec.export.adapter import AdapterLayer, head_weights, layer_weights
+from edgespec.export.pipeline import export_model
+from edgespec.export.source import load_source
 
 EXIT = 2
 SHORTLIST = 64

@@ -9,13 +9,13 @@ from helpers import make_checkpoint, one_error_line, quiet, run_cli
 from transformers import AutoModelForCausalLM
 
 import edgespec
-import export.graph
-import export.quantize
+import edgespec.export.graph
+import edgespec.export.quantize
 from edgespec.errors import EdgespecError
-from export import fidelity
-from export.pipeline import export_model
-from export.quantize import (BLOCK, dequantize_int4, dequantize_int8, quantize_int4,
-                             quantize_int8)
+from edgespec.export import fidelity
+from edgespec.export.pipeline import export_model
+from edgespec.export.quantize import (BLOCK, dequantize_int4, dequantize_int8,
+                                      quantize_int4, quantize_int8)
 
 
 def external_tensors(artifact):
@@ -61,8 +61,8 @@ def test_int4_graphs_compute_exactly_the_dequantized_model(arch, tie, scheme, he
                                                            tmp_path, monkeypatch):
     # accuracy level 0 keeps activations in fp32, so only the weight layout is under test;
     # scheme "int8" is --precision int8: every linear layer and the table at 8 bits
-    monkeypatch.setattr(export.graph, "ACCURACY_LEVEL", 0)
-    monkeypatch.setattr(export.graph, "FREQUENT_TOKENS", 100)  # mixed: ids 0..99 at 8 bits
+    monkeypatch.setattr(edgespec.export.graph, "ACCURACY_LEVEL", 0)
+    monkeypatch.setattr(edgespec.export.graph, "FREQUENT_TOKENS", 100)  # mixed: ids 0..99 at 8 bits
     checkpoint = make_checkpoint(tmp_path / "ckpt", arch=arch, tie=tie)
     precision = "int8" if scheme == "int8" else "int4"
     export_model(str(checkpoint), tmp_path / "a", precision=precision,
@@ -113,8 +113,8 @@ def test_min_max_schemes_err_by_at_most_half_a_step():
 def test_zero_point_search_has_less_error_than_min_max(monkeypatch):
     w = np.random.default_rng(0).normal(size=(256, 8 * BLOCK)).astype(np.float32)
     searched = np.square(dequantize_int4(quantize_int4(w)) - w).mean()
-    monkeypatch.setattr(export.quantize, "SCALE_GRID", np.array([1.0], np.float32))
-    monkeypatch.setattr(export.quantize, "REFINE_STEPS", 0)
+    monkeypatch.setattr(edgespec.export.quantize, "SCALE_GRID", np.array([1.0], np.float32))
+    monkeypatch.setattr(edgespec.export.quantize, "REFINE_STEPS", 0)
     min_max = np.square(dequantize_int4(quantize_int4(w)) - w).mean()
     assert searched < 0.95 * min_max
 

@@ -10,7 +10,7 @@ from helpers import one_error_line, quiet, run_cli
 
 import edgespec
 from edgespec.errors import EdgespecError
-from export.pipeline import export_model
+from edgespec.export.pipeline import export_model
 
 JSON_FIELDS = {"text", "tokens", "n_prompt", "n_generated", "prefill_s", "decode_s",
                "decode_tokens_per_s", "mode", "finish_reason", "stats"}

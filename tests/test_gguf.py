@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM
 
 import edgespec
 from edgespec.errors import EdgespecError
-from export import gguf_quants
-from export.gguf import GGUFFile
-from export.pipeline import export_model
-from export.source import load_source
+from edgespec.export import gguf_quants
+from edgespec.export.gguf import GGUFFile
+from edgespec.export.pipeline import export_model
+from edgespec.export.source import load_source
 
 # types the gguf package can quantize: real blocks made by its own quantizer
 QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16, T.F16, T.F32]

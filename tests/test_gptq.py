@@ -5,10 +5,10 @@ import numpy as np
 import onnx
 from helpers import quiet, run_cli
 
-import export.graph
-from export.gptq import gptq_int4
-from export.pipeline import export_model
-from export.quantize import BLOCK, dequantize_int4, quantize_int4
+import edgespec.export.graph
+from edgespec.export.gptq import gptq_int4
+from edgespec.export.pipeline import export_model
+from edgespec.export.quantize import BLOCK, dequantize_int4, quantize_int4
 
 
 def correlated_inputs(k, tokens=4096, seed=0):
@@ -60,7 +60,7 @@ def int4_weights(artifact):
 
 
 def test_export_chooses_layer_and_table_weights_by_gptq(tiny_checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setattr(export.graph, "FREQUENT_TOKENS", 100)  # ids 100.. in 4 bits
+    monkeypatch.setattr(edgespec.export.graph, "FREQUENT_TOKENS", 100)  # ids 100.. in 4 bits
     for name, gptq in (("gptq", True), ("rounded", False)):
         export_model(str(tiny_checkpoint), tmp_path / name, exit_layer=2, gptq=gptq, log=quiet)
     gptq, rounded = int4_weights(tmp_path / "gptq"), int4_weights(tmp_path / "rounded")

@@ -43,7 +43,7 @@ def source_file(name) -> Path:
 @pytest.fixture(scope="module", params=list(MODELS))
 def model(request, tmp_path_factory):
     """(name, artifact path) of each model present, exported once."""
-    from export.pipeline import export_model
+    from edgespec.export.pipeline import export_model
     path = source_file(request.param)
     out = tmp_path_factory.mktemp("models") / request.param
     precision, exit_layer = MODELS[request.param][2:4]
@@ -55,7 +55,7 @@ def model(request, tmp_path_factory):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_every_tensor_type_in_the_file_dequantizes_as_the_gguf_package_does(name):
     import gguf
-    from export.gguf import GGUFFile
+    from edgespec.export.gguf import GGUFFile
     path = source_file(name)
     header, reader = GGUFFile(path), gguf.GGUFReader(path)
     smallest = {}  # one tensor of each type, the smallest, to keep this quick

@@ -6,7 +6,7 @@ from helpers import make_checkpoint, quiet
 from transformers import AutoModelForCausalLM
 
 import edgespec
-from export.pipeline import export_model
+from edgespec.export.pipeline import export_model
 
 
 def reference_logits(checkpoint, ids):

@@ -14,7 +14,7 @@ from helpers import (chat_body, exchange, health, open_stream, read_response, re
                      stop_server, wait_busy, wait_idle, wait_threads)
 
 import edgespec
-from apps.server.server import Job, Worker, make_server
+from edgespec.apps.server.server import Job, Worker, make_server
 
 REFUSED = "the template refuses this"  # a message the guarded artifact's template raises on
 CLIENT_TIMEOUT_S, MAX_CONNECTIONS, MAX_BODY_BYTES = 2, 6, 4096

@@ -139,12 +139,12 @@ def test_int4_speculative_greedy_equals_plain_on_bench_prompts(smollm2_int4):
 @pytest.fixture(scope="module")
 def drafted(tmp_path_factory):
     """The default model with the shipped exit adapter and a shortlisted draft head."""
-    from export.calibrate import load_adapter, ready_adapter
-    from export.pipeline import export_model
-    from export.source import load_source
+    from edgespec.export.calibrate import load_adapter, ready_adapter
+    from edgespec.export.pipeline import export_model
+    from edgespec.export.source import load_source
     from helpers import quiet
     path = ready_adapter(load_source(None))
-    assert path is not None, "models/adapters/ has no adapter for the bundled SmolLM2"
+    assert path is not None, "export/data/adapters/ has no adapter for the bundled SmolLM2"
     out = tmp_path_factory.mktemp("artifacts") / "smollm2-drafted"
     export_model(None, out, exit_layer=load_adapter(path)[1], adapter=str(path), shortlist=8192,
                  max_context=1024, log=quiet)

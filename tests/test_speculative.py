@@ -12,7 +12,7 @@ import edgespec
 from edgespec.errors import EdgespecError
 from edgespec.sampling import SAMPLING_FIELDS, SamplingParams, distribution
 from edgespec.speculative import DraftPolicy, SpecStats, SpeculativeDecoder
-from export.pipeline import export_model
+from edgespec.export.pipeline import export_model
 
 
 @pytest.fixture(scope="module", params=[1, 3])

@@ -12,7 +12,7 @@ import shutil
 import pytest
 from helpers import health, start_server, stop_server, wait_idle
 
-from apps.server.openai_api import chat_chunk
+from edgespec.apps.server.openai_api import chat_chunk
 
 KEY = "page-test-key"
 REPLY_S = 60  # a reply on a busy 2-core machine

@@ -3,7 +3,7 @@
 The model runs on a worker thread and hands text pieces to the Tk main loop through a
 queue, which the window polls; so the window keeps redrawing and answering while a reply
 streams. Stop ends a reply where it is; what came stays in the conversation. Run:
-python -m apps.desktop.chat_window models/smollm2-135m-instruct
+edgespec desktop models/smollm2-135m-instruct
 """
 import argparse
 import queue
@@ -130,15 +130,24 @@ class ChatWindow:
         return self.log.get("1.0", "end")
 
 
+def run(model, max_new_tokens: int = 256, **options):
+    """Open a chat window on `model` and run the Tk loop until the window is closed."""
+    try:
+        root = tk.Tk()
+    except tk.TclError as e:  # no display: say so in the user's terms
+        raise edgespec.EdgespecError(f"cannot open a window ({e}): run it on a desktop, or "
+                                     "set DISPLAY to a running X server") from e
+    ChatWindow(root, model, max_new_tokens, **options)
+    root.mainloop()
+
+
 def main(argv=None):
+    """`python -m edgespec.apps.desktop.chat_window ARTIFACT`: `edgespec desktop` has more."""
     parser = argparse.ArgumentParser(description="A desktop chat window on an edgespec artifact.")
     parser.add_argument("artifact")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args(argv)
-    model = edgespec.load(args.artifact)
-    root = tk.Tk()
-    ChatWindow(root, model, args.max_new_tokens)
-    root.mainloop()
+    run(edgespec.load(args.artifact), args.max_new_tokens)
 
 
 if __name__ == "__main__":
