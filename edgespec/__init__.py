@@ -2,6 +2,8 @@
 from .errors import EdgespecError
 from .model import Generation, Model, load
 from .sampling import SamplingParams
+from .settings import DraftPolicy, SettingError, Settings
 
 __version__ = "0.1.0"
-__all__ = ["load", "Model", "Generation", "SamplingParams", "EdgespecError", "__version__"]
+__all__ = ["load", "Model", "Generation", "Settings", "SamplingParams", "DraftPolicy",
+           "SettingError", "EdgespecError", "__version__"]

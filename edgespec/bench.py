@@ -15,7 +15,6 @@ from importlib import resources
 from pathlib import Path
 
 from .errors import EdgespecError
-from .schedule import DRAFTERS
 
 
 def default_prompts() -> Path:
@@ -49,56 +48,44 @@ def load_prompts(path=None, limit=None, per_category=None, categories=None) -> l
     return rows[:limit] if limit else rows
 
 
-def bench_prompt(model, row, max_new_tokens, repeat=1, sampling=None, **draft) -> dict:
-    """Plain and speculative decoding of one prompt, interleaved `repeat` times; the speeds
-    are medians over the runs and `identical` holds only if every run matched plain.
-    sampling: sampling settings given (None values: the model's)."""
+def bench_prompt(model, row, settings, repeat=1) -> dict:
+    """Plain and speculative decoding of one prompt with `settings` (Model.settings),
+    interleaved `repeat` times; the speeds are medians over the runs and `identical` holds
+    only if every run matched plain."""
     ids = model.encode(row["turns"][0])
-    sampling = dict(sampling or {})
-    if sampling.get("seed") is None:
-        sampling["seed"] = zlib.crc32(str(row["question_id"]).encode())
-    if len(ids) + max_new_tokens >= model.engine.max_context:
+    if settings.sampling.seed is None:
+        settings = settings.with_options(seed=zlib.crc32(str(row["question_id"]).encode()))
+    if len(ids) + settings.max_new_tokens >= model.engine.max_context:
         raise EdgespecError(f"prompt {row['question_id']} has {len(ids)} tokens: too long for "
                             f"the context of {model.engine.max_context} with "
-                            f"{max_new_tokens} new tokens")
+                            f"{settings.max_new_tokens} new tokens")
     plains, specs = [], []
     for _ in range(repeat):
-        plains.append(model.generate_ids(ids, max_new_tokens, mode="plain", **sampling))
-        specs.append(model.generate_ids(ids, max_new_tokens, mode="speculative", **sampling,
-                                        **draft))
+        plains.append(model.generate_ids(ids, settings=settings.with_options(mode="plain")))
+        specs.append(model.generate_ids(ids, settings=settings.with_options(mode="speculative")))
     plain_speed = statistics.median(g.decode_tokens_per_s for g in plains)
     spec_speed = statistics.median(g.decode_tokens_per_s for g in specs)
-    spec = specs[-1]  # its statistics stand for the runs (same tokens each time)
+    stats = specs[-1].stats  # they stand for the runs (same tokens each time)
     return {"question_id": row["question_id"], "category": row["category"],
-            "n_prompt": len(ids), "n_generated": spec.n_generated, "runs": repeat,
+            "n_prompt": len(ids), "n_generated": specs[-1].n_generated, "runs": repeat,
             "plain_tokens_per_s": plain_speed, "spec_tokens_per_s": spec_speed,
             "speedup": spec_speed / plain_speed if plain_speed else 0.0,
             "identical": all(g.tokens == plains[0].tokens for g in plains + specs),
-            "acceptance": spec.stats["acceptance"],
-            "tokens_per_round": spec.stats["tokens_per_round"],
-            "drafters": {name: {field: spec.stats[f"{name}_{field}"] for field in DRAFTER_FIELDS}
-                         for name in DRAFTERS},
-            "time_shares": _shares(spec.stats)}
-
-
-DRAFTER_FIELDS = ("rounds", "drafted", "accepted")
+            "acceptance": stats.acceptance, "tokens_per_round": stats.tokens_per_round,
+            "drafters": stats.to_dict()["drafters"], "time_shares": stats.time_shares()}
 
 
 def drafter_line(results) -> str:
     """What each drafter did over all prompts: rounds, accepted drafts a round, acceptance."""
-    parts = []
-    for name in DRAFTERS:
-        rounds, drafted, accepted = (sum(r["drafters"][name][f] for r in results)
-                                     for f in DRAFTER_FIELDS)
-        parts.append(f"{name} {rounds} rounds, {accepted / rounds if rounds else 0:.2f} "
-                     f"accepted/round ({accepted}/{drafted} drafts)")
-    return "per drafter, all prompts: " + "; ".join(parts)
-
-
-def _shares(stats) -> dict:
-    parts = {k: stats[f"{k}_s"] for k in ("draft", "verify", "head", "sampling")}
-    total = sum(parts.values()) or 1.0
-    return {k: v / total for k, v in parts.items()}
+    totals = defaultdict(lambda: defaultdict(int))
+    for r in results:
+        for name, counts in r["drafters"].items():
+            for key, value in counts.items():
+                totals[name][key] += value
+    parts = [f"{name} {t['rounds']} rounds, "
+             f"{t['accepted'] / t['rounds'] if t['rounds'] else 0:.2f} accepted/round "
+             f"({t['accepted']}/{t['drafted']} drafts)" for name, t in totals.items()]
+    return "per drafter, all prompts: " + ("; ".join(parts) or "none drafted")
 
 
 def summarize(results) -> dict:
@@ -186,13 +173,12 @@ def cost_line(costs) -> str:
         f"{rows}: {ms:.1f} ({ms / plain:.2f}x)" for rows, ms in costs.items())
 
 
-def run(model, rows, max_new_tokens, draft, repeat=1, progress=sys.stderr, sampling=None
-        ) -> list:
-    """Bench every row, printing a progress line per prompt."""
+def run(model, rows, settings, repeat=1, progress=sys.stderr) -> list:
+    """Bench every row with `settings` (Model.settings), printing a progress line per prompt."""
     model.generate("Hello", max_new_tokens=8)  # warm up sessions and allocators
     results = []
     for i, row in enumerate(rows, 1):
-        results.append(bench_prompt(model, row, max_new_tokens, repeat, sampling, **draft))
+        results.append(bench_prompt(model, row, settings, repeat))
         r = results[-1]
         bar = "#" * (20 * i // len(rows))
         print(f"\r[{bar:20}] {i}/{len(rows)}  {r['category']:14} {r['question_id']:>4}: "

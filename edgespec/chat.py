@@ -7,7 +7,6 @@ import threading
 from .errors import EdgespecError
 from .model import stop_reply
 from .sampling import SamplingParams
-from .speculative import SpecStats
 from .tokenizer import check_utf8
 
 HELP = """commands:
@@ -25,7 +24,6 @@ SETTINGS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
             "frequency_penalty": float, "seed": int, "max_new_tokens": int, "draft_k": int,
             "draft_threshold": float, "lookup_k": int, "adaptive": lambda v: bool(int(v)),
             "mode": str}
-DRAFT_SETTINGS = ("draft_k", "draft_threshold", "lookup_k", "adaptive")
 DRAFTED, PLAIN = "\x1b[32m", "\x1b[0m"
 
 
@@ -38,11 +36,9 @@ class ChatSession:
         self.show_drafts, self.out = show_drafts, out
         self.messages, self.last = self._fresh(), None
 
-    def sampling(self, settings=None):
+    def sampling(self):
         """The settings replies sample with: the model's, with those set here."""
-        given = self.settings if settings is None else settings
-        return self.model.sampling.with_options(
-            **{k: v for k, v in given.items() if k in SamplingParams.__dataclass_fields__})
+        return self.model.settings(**self.settings).sampling
 
     def _fresh(self):
         return [{"role": "system", "content": self.system}] if self.system else []
@@ -77,12 +73,7 @@ class ChatSession:
             return
         try:
             settings = {**self.settings, name: SETTINGS[name](value)}
-            self.sampling(settings)
-            self.model.draft_policy(*(settings.get(name) for name in DRAFT_SETTINGS))
-            if settings.get("mode", "speculative") not in ("speculative", "plain"):
-                raise EdgespecError(f"invalid mode {value}: speculative or plain")
-            if settings.get("max_new_tokens", 1) < 1:
-                raise EdgespecError(f"invalid max_new_tokens {value}: it must be >= 1")
+            self.model.settings(**settings)
         except (ValueError, EdgespecError) as e:
             self.say(f"[not set: {e}]")
             return
@@ -100,8 +91,8 @@ class ChatSession:
                 f"{r.decode_tokens_per_s:.1f} tokens/s, prefilled {r.n_prefilled} of "
                 f"{r.n_prompt} prompt tokens, {r.mode}; "
                 f"{SamplingParams(**r.sampling).describe()}; {cache}]")
-        if r.stats:
-            line += "\n[" + SpecStats.from_dict(r.stats).line() + "]"
+        if r.stats.drafters:
+            line += "\n[" + r.stats.line() + "]"
         return line
 
     # -- a turn ----------------------------------------------------------------------------
@@ -127,10 +118,8 @@ class ChatSession:
     def _stream(self, reply: list):
         """Print the reply as it is generated (appending its pieces); its Generation, with
         finish_reason "cancelled" when Ctrl-C stopped it (None if it had not begun)."""
-        options = dict(self.settings)
-        max_new, mode = options.pop("max_new_tokens", 512), options.pop("mode", "speculative")
-        pieces = self.model.stream_ids(self.model.codec.encode_chat(self.messages), max_new,
-                                       mode, reuse_cache=True, **options)
+        pieces = self.model.stream_ids(self.model.codec.encode_chat(self.messages),
+                                       self.model.settings(**self.settings), reuse_cache=True)
         with _ctrl_c_as_a_flag() as stopped:
             try:
                 while not stopped:
@@ -147,11 +136,7 @@ class ChatSession:
                 pieces.close()
 
     def _summary(self, r) -> str:
-        parts = [f"{r.n_generated} tokens", f"{r.decode_tokens_per_s:.1f} tok/s"]
-        if r.stats:
-            s = SpecStats.from_dict(r.stats)
-            parts += [f"accepted {s.accepted}/{s.drafted} ({100 * s.acceptance:.0f}%)",
-                      f"{s.tokens_per_round:.2f} tokens/round"]
+        parts = r.summary()
         note = {"context_full": "; the context is full: the reply stopped, the oldest turns "
                 "will be dropped next"}.get(r.finish_reason, "")
         return f"[{', '.join(parts)}{note}]"
@@ -159,7 +144,7 @@ class ChatSession:
     def _fit_context(self) -> bool:
         """Drop the oldest turns until the conversation leaves room for a reply."""
         limit = self.model.engine.max_context
-        room = min(self.settings.get("max_new_tokens", 512), limit // 4)
+        room = min(self.model.settings(**self.settings).max_new_tokens, limit // 4)
         first = 1 if self.system else 0
         while len(self.model.codec.encode_chat(self.messages)) + room > limit:
             if len(self.messages) - first <= 1:

@@ -89,8 +89,7 @@ def _export_args(sub, common):
                    type=lambda v: int(v) if v.isdigit() else v,
                    help="bits of the int4 artifact's vocabulary table, the embedding and "
                    "lm_head: mixed (default): the first 8192 token ids (in BPE vocabularies "
-                   "the most used) at 8 bits, the rest at 4 (SmolLM2: 36%% fewer bytes than "
-                   "8 at nearly its quality); 8; 4 "
+                   "the most used) at 8 bits, the rest at 4; 8; 4 "
                    "(zero points), the fastest, agrees less with the full model")
     p.add_argument("--max-context", type=int, default=None,
                    help="tokens the KV cache holds (default: min(4096, the model's limit))")
@@ -103,11 +102,9 @@ def _generate_args(sub, common):
     p = _artifact_command(sub, common, "generate", "reply to one prompt (for scripts)",
                           "Generate a reply to one prompt, streaming text to stdout.")
     p.add_argument("-p", "--prompt", required=True, help="the user message (or raw text with --raw)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="default: 256")
-    p.add_argument("--plain", action="store_true",
-                   help="plain decoding (default: self-speculative, the same output when greedy)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--system", help="a system message for the chat template")
+    _reply_args(p, max_new_tokens=256)
     _sampling_args(p)
     _draft_args(p)
     p.add_argument("--json", action="store_true",
@@ -117,6 +114,16 @@ def _generate_args(sub, common):
                    help="print the draft statistics line (acceptance, tokens/round, time shares)")
     _runtime_args(p)
     p.set_defaults(run=_generate)
+
+
+def _reply_args(p, max_new_tokens):
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                   help=f"per reply (default: {max_new_tokens})")
+    p.add_argument("--plain", action="store_true",
+                   help="plain decoding (default: self-speculative, the same output)")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="end the reply where this text first appears, leaving it out "
+                   "(repeatable, up to 4)")
 
 
 def _sampling_args(p):
@@ -145,8 +152,7 @@ def _chat_args(sub, common):
                           "A streaming multi-turn chat. The KV cache is kept between turns, so "
                           "a new turn prefills only its new tokens. Type /help inside.")
     p.add_argument("--system", help="a system message")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="per reply (default: 512)")
-    p.add_argument("--plain", action="store_true", help="plain decoding instead of speculative")
+    _reply_args(p, max_new_tokens=512)
     p.add_argument("--show-drafts", action="store_true",
                    help="colour the text that came from accepted drafts")
     _sampling_args(p)
@@ -157,18 +163,10 @@ def _chat_args(sub, common):
 
 def _chat(args):
     from . import chat
-    from .sampling import SamplingParams
-    settings = {**_sampling(args), "max_new_tokens": args.max_new_tokens,
-                "mode": "plain" if args.plain else "speculative"}
-    SamplingParams().with_options(**_sampling(args))  # refuse bad values before loading
-    if args.max_new_tokens < 1:
-        raise EdgespecError(f"invalid max-new-tokens {args.max_new_tokens}: it must be >= 1")
+    options = _options(args)
     check_utf8(args.system, "the system message (--system)")
     model = _load(args)
-    draft = _draft(args)
-    model.draft_policy(**draft)  # refuse bad values before the chat starts
-    settings.update({name: value for name, value in draft.items() if value is not None})
-    chat.run(model, settings, system=args.system, show_drafts=args.show_drafts)
+    chat.run(model, options, system=args.system, show_drafts=args.show_drafts)
 
 
 def _draft_args(p):
@@ -188,10 +186,20 @@ def _draft_args(p):
                    "artifact's, normally on)")
 
 
-def _draft(args) -> dict:
-    """The draft policy overrides given on the command line (None: the artifact's)."""
-    return {"draft_k": args.draft_k, "draft_threshold": args.draft_threshold,
-            "lookup_k": args.lookup_k, "adaptive": args.adaptive}
+def _options(args) -> dict:
+    """The generation options given on the command line, by their flat names (None: the
+    model's), checked before anything loads."""
+    from .settings import DRAFT_FIELDS, SAMPLING_OPTIONS, Settings
+    options = {name: getattr(args, name) for name in (*SAMPLING_OPTIONS, *DRAFT_FIELDS)}
+    options["max_new_tokens"] = args.max_new_tokens
+    if hasattr(args, "plain"):
+        options["mode"] = "plain" if args.plain else "speculative"
+    if getattr(args, "stop", None):
+        for text in args.stop:
+            check_utf8(text, "a stop string (--stop)")
+        options["stop"] = args.stop
+    Settings().with_options(**options)
+    return options
 
 
 def _bench_args(sub, common):
@@ -202,7 +210,7 @@ def _bench_args(sub, common):
                           "category (median speedup, share of identical outputs, acceptance).")
     p.add_argument("--prompts", help="a JSONL file of {question_id, category, turns} "
                    "(default: a small built-in set; Spec-Bench's question.jsonl works)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="default: 128")
+    p.add_argument("--max-new-tokens", type=_positive, default=128, help="default: 128")
     p.add_argument("--limit", type=int, help="at most this many prompts")
     p.add_argument("--per-category", type=int, help="the N lowest question ids of each category")
     p.add_argument("--categories", nargs="+", help="only these categories")
@@ -221,15 +229,14 @@ def _bench(args):
     rows = bench.load_prompts(args.prompts, args.limit, args.per_category, args.categories)
     if not rows:
         raise EdgespecError("no prompts selected")
+    options = _options(args)
     model = _load(args)
-    draft = _draft(args)
-    policy = model.draft_policy(**draft)
-    results = bench.run(model, rows, args.max_new_tokens, draft, args.repeat,
-                        sampling=_sampling(args))
-    sampling = model.sampling.with_options(**_sampling(args))
+    settings = model.settings(**options)
+    results = bench.run(model, rows, settings, args.repeat)
     summaries = bench.summarize(results)
     costs = bench.round_costs(model)
-    print(f"{args.artifact}: exit layer {model.artifact.exit_layer}, {_policy_line(policy)}, "
+    policy, sampling = settings.draft, settings.sampling
+    print(f"{args.artifact}: exit layer {model.artifact.exit_layer}, {policy.describe()}, "
           f"{args.max_new_tokens} new tokens, {sampling.describe()}")
     print(bench.table(summaries))
     print(bench.drafter_line(results))
@@ -245,12 +252,7 @@ def _bench(args):
                                               indent=1))
     if args.plot:
         bench.plot(summaries, args.plot, f"{Path(args.artifact).name}: exit "
-                   f"{model.artifact.exit_layer}, {_policy_line(policy)}")
-
-
-def _policy_line(policy):
-    return (f"draft k {policy.k}, threshold {policy.threshold}, lookup k {policy.lookup_k}, "
-            f"{'adaptive' if policy.adaptive else 'fixed'}")
+                   f"{model.artifact.exit_layer}, {policy.describe()}")
 
 
 def _serve_args(sub, common):
@@ -317,8 +319,7 @@ def _desktop_args(sub, common):
                           "A desktop chat window that runs the model in this process: the "
                           "reply streams in while the window stays responsive, Stop ends it, "
                           "and the status line gives its numbers (tokens/s, acceptance).")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default: 256)")
-    p.add_argument("--plain", action="store_true", help="plain decoding instead of speculative")
+    _reply_args(p, max_new_tokens=256)
     _sampling_args(p)
     _draft_args(p)
     _runtime_args(p)
@@ -331,14 +332,8 @@ def _desktop(args):
     except ImportError as e:  # tkinter is a separate package on some systems
         raise EdgespecError(f"edgespec desktop needs tkinter ({e}): install your Python's Tk "
                             "(on Debian and Ubuntu: apt-get install python3-tk)") from e
-    from .sampling import SamplingParams
-    SamplingParams().with_options(**_sampling(args))  # refuse bad values before loading
-    if args.max_new_tokens < 1:
-        raise EdgespecError(f"invalid max-new-tokens {args.max_new_tokens}: it must be >= 1")
-    model = _load(args)
-    model.draft_policy(**_draft(args))  # refuse bad values before the window opens
-    run(model, args.max_new_tokens, mode="plain" if args.plain else "speculative",
-        **_draft(args), **_sampling(args))
+    options = _options(args)
+    run(_load(args), **options)
 
 
 def _runtime_args(p):
@@ -390,14 +385,13 @@ def _auto_or(kind):
 
 def _generate(args):
     from .sampling import SamplingParams
-    from .speculative import SpecStats
     check_utf8(args.prompt, "the prompt (-p)")
     check_utf8(args.system, "the system message (--system)")
+    options = _options(args)
     model = _load(args)
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
-    result = model.generate(args.prompt, max_new_tokens=args.max_new_tokens, raw=args.raw,
-                            system=args.system, mode="plain" if args.plain else "speculative",
-                            on_text=stream, **_draft(args), **_sampling(args))
+    result = model.generate(args.prompt, raw=args.raw, system=args.system, on_text=stream,
+                            **options)
     if args.json:
         print(json.dumps(result.to_dict()))
         return
@@ -408,14 +402,8 @@ def _generate(args):
     print(f"[{result.n_prompt} prompt tokens, {result.n_generated} generated, "
           f"{result.decode_tokens_per_s:.1f} tokens/s, {result.mode}; "
           f"{SamplingParams(**result.sampling).describe()}]", file=sys.stderr)
-    if args.stats and result.mode == "speculative":
-        print(SpecStats.from_dict(result.stats).line(), file=sys.stderr)
-
-
-def _sampling(args) -> dict:
-    """The sampling settings given on the command line (None: the model's)."""
-    from .sampling import SAMPLING_FIELDS
-    return {name: getattr(args, name) for name in (*SAMPLING_FIELDS, "seed")}
+    if args.stats:
+        print(result.stats.line(), file=sys.stderr)
 
 
 def parser():

@@ -3,14 +3,15 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .artifact import open_artifact
-from .decode import plain_rounds
+from .decoder import Decoder, drafters_for
+from .drafter import Pace
 from .engine import ContextFull, Engine
 from .errors import EdgespecError
 from .sampling import Sampler
-from .speculative import DraftPolicy, SpecStats, SpeculativeDecoder, new_scheduler
+from .settings import DraftPolicy, Settings
+from .stats import DecodeStats
+from .stops import StopScanner
 from .tokenizer import StreamDecoder, TextCodec
-
-MODES = ("speculative", "plain")
 
 
 @dataclass
@@ -23,10 +24,10 @@ class Generation:
     prefill_s: float
     decode_s: float
     mode: str
-    # "stop" (end of turn), "length" (max_new_tokens), "context_full", or "cancelled" (the
-    # caller ended it with stop_reply)
+    # "stop" (end of turn or a stop string), "length" (max_new_tokens), "context_full", or
+    # "cancelled" (the caller ended it with stop_reply)
     finish_reason: str
-    stats: dict = field(default_factory=dict)
+    stats: DecodeStats = field(default_factory=DecodeStats)
     n_prefilled: int = 0  # prompt tokens run through the model (the rest came from the cache)
     sampling: dict = field(default_factory=dict)  # the settings it sampled with, seed included
 
@@ -39,8 +40,13 @@ class Generation:
         return (self.n_generated - 1) / self.decode_s if self.decode_s > 0 else 0.0
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "n_generated": self.n_generated,
+        return {**asdict(self), "stats": self.stats.to_dict(), "n_generated": self.n_generated,
                 "decode_tokens_per_s": self.decode_tokens_per_s}
+
+    def summary(self) -> list:
+        """Its headline numbers, as phrases (chat, the desktop app)."""
+        return [f"{self.n_generated} tokens", f"{self.decode_tokens_per_s:.1f} tokens/s",
+                *(self.stats.brief() or [self.mode])]
 
 
 @dataclass
@@ -97,7 +103,14 @@ class TextStream:
 
 
 class Model:
-    """An artifact loaded for generation. Not thread-safe: one generation at a time."""
+    """An artifact loaded for generation. Not thread-safe: one generation at a time.
+
+    Options, by name, wherever a method takes **options: max_new_tokens (default 256), mode
+    ("speculative" or "plain"), stop (a string or a list of up to 4: the reply ends before
+    the first), the sampling settings temperature, top_k, top_p, min_p,
+    repetition_penalty, presence_penalty, frequency_penalty and seed (see SamplingParams;
+    those not given, or None, are the model's `sampling`), and the draft policy draft_k,
+    draft_threshold, lookup_k, adaptive (see DraftPolicy; not given: the artifact's)."""
 
     def __init__(self, path, device: str = "auto", threads: int = None, verify: bool = True):
         self.artifact = open_artifact(path, verify=verify)
@@ -105,7 +118,13 @@ class Model:
         self.codec = TextCodec.for_artifact(self.artifact)
         self.stop_ids = set(self.artifact.eos_token_ids)
         self.sampling = self.artifact.sampling  # settings a call does not give come from here
-        self._schedulers = {}  # draft policy -> its scheduler, kept across generations
+        self.defaults = Settings(self.sampling,
+                                 DraftPolicy.from_manifest(self.artifact.manifest.get("draft", {})))
+        self._by_policy = {}  # draft policy -> its Pace and drafters, kept across generations
+
+    def settings(self, **options) -> Settings:
+        """The model's defaults with these options (validated: a SettingError names a bad one)."""
+        return self.defaults.with_options(**options)
 
     def encode(self, prompt: str, raw: bool = False, system: str = None) -> list:
         if raw:
@@ -114,97 +133,78 @@ class Model:
             [{"role": "user", "content": prompt}]
         return self.codec.encode_chat(messages)
 
-    def generate(self, prompt: str, max_new_tokens: int = 256, raw: bool = False,
-                 system: str = None, mode: str = "speculative", on_text=None,
-                 **options) -> Generation:
+    def generate(self, prompt: str, max_new_tokens: int = None, raw: bool = False,
+                 system: str = None, on_text=None, **options) -> Generation:
         """Reply to `prompt` (chat template applied unless raw). `on_text` gets text pieces as
-        they are decoded. Options: temperature, top_k, top_p, min_p, repetition_penalty,
-        presence_penalty, frequency_penalty, seed (see SamplingParams; those not given, or
-        None, are the model's `sampling`); draft_k, draft_threshold, lookup_k, adaptive (see
-        DraftPolicy)."""
-        return self.generate_ids(self.encode(prompt, raw, system), max_new_tokens, mode,
-                                 on_text, **options)
+        they are decoded."""
+        settings = self.settings(max_new_tokens=max_new_tokens, **options)
+        return self.generate_ids(self.encode(prompt, raw, system), on_text=on_text,
+                                 settings=settings)
 
-    def chat(self, messages: list, stream: bool = False, max_new_tokens: int = 256,
-             mode: str = "speculative", **options):
+    def chat(self, messages: list, stream: bool = False, **options):
         """Reply to a conversation ([{"role", "content"}, ...]) through the chat template.
 
         The KV cache of the previous call is reused for the longest common prefix, so a new
         turn prefills only its new tokens. stream=False: a Generation; stream=True: a
         TextStream yielding text pieces, its `result` set once it is exhausted."""
-        pieces = self.stream_ids(self.codec.encode_chat(messages), max_new_tokens, mode,
-                                 reuse_cache=True, **options)
-        text = TextStream(pieces)
+        settings = self.settings(**options)
+        text = TextStream(self.stream_ids(self.codec.encode_chat(messages), settings,
+                                          reuse_cache=True))
         if stream:
             return text
         for _ in text:
             pass
         return text.result
 
-    def generate_ids(self, prompt_ids: list, max_new_tokens: int = 256,
-                     mode: str = "speculative", on_text=None, **options) -> Generation:
-        stream = TextStream(self.stream_ids(prompt_ids, max_new_tokens, mode, **options))
+    def generate_ids(self, prompt_ids: list, max_new_tokens: int = None, on_text=None,
+                     settings: Settings = None, **options) -> Generation:
+        """Reply to token ids (no template) with `settings`, or the model's with these
+        options."""
+        settings = settings or self.settings(max_new_tokens=max_new_tokens, **options)
+        stream = TextStream(self.stream_ids(prompt_ids, settings))
         for text in stream:
             if on_text:
                 on_text(text)
         return stream.result
 
-    def draft_policy(self, draft_k=None, draft_threshold=None, lookup_k=None,
-                     adaptive=None) -> DraftPolicy:
-        """The artifact's default draft policy (chosen by export's calibration), with any of
-        its values overridden."""
-        default = self.artifact.manifest.get("draft", {})
-        given = {"k": draft_k, "threshold": draft_threshold, "lookup_k": lookup_k,
-                 "adaptive": adaptive}
-        return DraftPolicy(**{name: default.get(name, getattr(DraftPolicy, name))
-                              if value is None else value for name, value in given.items()})
-
-    def stream_ids(self, prompt_ids: list, max_new_tokens: int = 256,
-                   mode: str = "speculative", draft_k=None, draft_threshold=None,
-                   lookup_k=None, adaptive=None, reuse_cache: bool = False,
-                   ignore_eos: bool = False, **sampling):
+    def stream_ids(self, prompt_ids: list, settings: Settings, reuse_cache: bool = False):
         """Generate from token ids: yields Pieces of text, returns the Generation.
 
         reuse_cache keeps the cached prefix shared with the previous call (chat): a turn
         prefills only its new tokens. Decode steps cache the same bits a prefill would (no
         graph runs a single row, see engine.py), so a continued conversation answers as the
         same conversation sent afresh. Without reuse_cache every call starts from an empty
-        cache.
-        ignore_eos generates max_new_tokens even past end-of-turn tokens (for load tests)."""
-        params = self.sampling.with_options(**sampling)
-        policy = self.draft_policy(draft_k, draft_threshold, lookup_k, adaptive)
-        if mode not in MODES:
-            raise EdgespecError(f"unknown mode {mode}; available: {', '.join(MODES)}")
-        if max_new_tokens < 1:
-            raise EdgespecError(f"invalid max-new-tokens {max_new_tokens}: it must be >= 1")
+        cache."""
         self._check_prompt(prompt_ids)
         start = time.perf_counter()
         first_logits, reused = self._prefill(prompt_ids, reuse_cache)
         prefill_s = time.perf_counter() - start
-        history, stream, stats = list(prompt_ids), StreamDecoder(self.codec), SpecStats()
-        if mode == "plain":
-            sampler = Sampler(params)
-            rounds = plain_rounds(self.engine, sampler, first_logits, history, max_new_tokens)
-        else:
-            decoder = SpeculativeDecoder(self.engine, params, policy, stats,
-                                         self._scheduler(policy))
-            sampler = decoder.sampler
-            rounds = decoder.rounds(first_logits, history, max_new_tokens)
-        tokens, finish, stop_ids = [], None, set() if ignore_eos else self.stop_ids
+        sampler = Sampler(settings.sampling)
+        pace, drafters = self._drafting(settings.draft)
+        decoder = Decoder(self.engine, sampler,
+                          drafters if settings.mode == "speculative" else [], pace)
+        history, stream = list(prompt_ids), StreamDecoder(self.codec)
+        stops = StopScanner(settings.stop)
+        tokens, finish, texts = [], None, []
+        stop_ids = set() if settings.ignore_eos else self.stop_ids
         drafted = False  # of the tokens whose text is still held (an incomplete character)
         try:
-            for committed in rounds:
+            for committed in decoder.rounds(first_logits, history, settings.max_new_tokens):
                 for i, token in enumerate(committed):
                     tokens.append(token)
                     if token in stop_ids:
                         finish = "stop"
                         break
                     drafted |= i < len(committed) - 1  # all but a round's last were drafts
-                    text = stream.push(token)
+                    text = stops.feed(stream.push(token))
                     if text:
+                        texts.append(text)
                         yield Piece(text, drafted=drafted, generated=len(tokens))
                         drafted = False
-                    if len(tokens) == max_new_tokens:
+                    if stops.stopped:
+                        finish = "stop"
+                        break
+                    if len(tokens) == settings.max_new_tokens:
                         finish = "length"
                         break
                 if finish:
@@ -213,20 +213,23 @@ class Model:
             finish = "context_full"
         except StopReply:
             finish = "cancelled"
+        held = stops.flush() if not stops.stopped and finish != "cancelled" else ""
+        if held:  # the end of the reply began like a stop string but was not one
+            yield Piece(held, generated=len(tokens))
         decode_s = time.perf_counter() - start - prefill_s
-        return Generation(self.codec.decode(tokens), tokens, len(prompt_ids), prefill_s,
-                          decode_s, mode, finish or "length",
-                          stats.to_dict() if mode == "speculative" else {},
+        text = "".join(texts) if stops.stopped else self.codec.decode(tokens)
+        return Generation(text, tokens, len(prompt_ids), prefill_s, decode_s, settings.mode,
+                          finish or "length", decoder.stats,
                           n_prefilled=len(prompt_ids) - reused,
-                          sampling={**asdict(params), "seed": sampler.seed})
+                          sampling={**asdict(settings.sampling), "seed": sampler.seed})
 
-    def _scheduler(self, policy):
-        """The scheduler of earlier generations with this policy: what it measured of the
-        drafters carries over (see schedule.py)."""
-        if policy not in self._schedulers:
-            self._schedulers[policy] = new_scheduler(policy,
-                                                     self.artifact.manifest.get("round_costs"))
-        return self._schedulers[policy]
+    def _drafting(self, policy):
+        """The yardstick and drafters of earlier generations with this policy: what they
+        measured of the model carries over."""
+        if policy not in self._by_policy:
+            pace = Pace(self.artifact.manifest.get("round_costs"))
+            self._by_policy[policy] = pace, drafters_for(policy, self.engine, pace)
+        return self._by_policy[policy]
 
     def _prefill(self, prompt_ids, reuse_cache):
         """Logits after the prompt, and how many of its tokens the cache already held."""

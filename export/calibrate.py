@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edgespec.settings import DraftPolicy
+
 from . import adapter as exit_adapter
 from . import budget
 from .progress import progress
@@ -24,7 +26,7 @@ MEASURE_TOKENS = 96
 TRAIN_TOKENS = 128
 EXIT_FRACTIONS = (0.25, 0.5, 0.75)  # exit layer candidates, as fractions of the depth
 K_CANDIDATES = (1, 2, 3, 4)
-LOOKUP_K = 12  # the most; each round's k comes from the plan (edgespec/schedule.py)
+LOOKUP_K = 12  # the most; each round's k comes from the plan (edgespec/lookup.py)
 THRESHOLDS = (0.0, 0.3, 0.6)
 SHORTLIST_COVERAGE = (0.95, 0.99)  # of the calibration replies' tokens
 MIN_COUNT_REPLIES = 48  # replies collected only to count tokens, for a given shortlist size
@@ -109,8 +111,8 @@ def measure(artifact_dir, policies: list, prompts: list, log=print) -> list:
             for i, policy in enumerate(policies):
                 spec = model.generate_ids(ids, MEASURE_TOKENS, temperature=0, **policy)
                 ratios[i].append(spec.decode_tokens_per_s / plain.decode_tokens_per_s)
-                rounds[i][0] += spec.stats["rounds"]
-                rounds[i][1] += spec.stats["rounds"] + spec.stats["accepted"]
+                rounds[i][0] += spec.stats.rounds
+                rounds[i][1] += spec.stats.rounds + spec.stats.accepted
                 identical[i] &= spec.tokens == plain.tokens
             bar.update(1)
     results = [{"policy": policy, "speedup": round(float(np.median(r)), 3),
@@ -239,8 +241,7 @@ def calibrate_draft(artifact, exit_layer, auto, adapter, shortlist_size, calibra
     run.report["policies"] = measure(artifact.out, final_policies(k), run.prompts[:plan.prompts],
                                      log)
     chosen = best(run.report["policies"])
-    policy = {"k": chosen["policy"]["draft_k"], "threshold": chosen["policy"].get("draft_threshold", 0.0),
-              "lookup_k": chosen["policy"]["lookup_k"], "adaptive": chosen["policy"]["adaptive"]}
+    policy = DraftPolicy(**chosen["policy"]).to_manifest()
     run.report["minutes"] = round((time.perf_counter() - start) / 60, 1)
     log(f"chosen: exit layer {layer}, shortlist {len(vocab) if vocab is not None else 'off'}, "
         f"{_describe(policy)} ({chosen['speedup']:.2f}x plain on the calibration prompts); "

@@ -23,7 +23,7 @@ def test_bench_writes_table_json_and_plot(tiny_int4, tmp_path):
     assert [p["category"] for p in report["prompts"]] == ["math", "qa"]
     assert all(PROMPT_FIELDS <= p.keys() and p["runs"] == 2 for p in report["prompts"])
     assert all(p["identical"] for p in report["prompts"])  # greedy: lossless
-    assert report["summary"]["overall"]["prompts"] == 2 and report["settings"]["draft_policy"]["k"] == 3
+    assert report["summary"]["overall"]["prompts"] == 2 and report["settings"]["draft_policy"]["draft_k"] == 3
     assert png.read_bytes()[:4] == b"\x89PNG"
     costs = report["round_ms"]  # JSON keys are strings
     assert sorted(map(int, costs)) == [1, 2, 3, 4, 6, 8] and all(ms > 0 for ms in costs.values())

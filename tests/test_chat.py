@@ -11,7 +11,7 @@ import pytest
 import edgespec
 from edgespec.chat import ChatSession
 
-SUMMARY = r"\[\d+ tokens, [\d.]+ tok/s, accepted \d+/\d+ \(\d+%\), [\d.]+ tokens/round"
+SUMMARY = r"\[\d+ tokens, [\d.]+ tokens/s, accepted \d+/\d+ \(\d+%\), [\d.]+ tokens/round"
 
 
 def spawn_chat(artifact, *args, timeout=60):
@@ -128,7 +128,7 @@ def test_ctrl_c_stops_a_reply_and_keeps_the_conversation(smollm2_int4):
     child.sendline("/set max_new_tokens 16")
     child.expect("you> ")
     child.sendline("What was the story about?")
-    child.expect(r"\[\d+ tokens, [\d.]+ tok/s")
+    child.expect(r"\[\d+ tokens, [\d.]+ tokens/s")
     child.sendline("/exit")
     child.expect(pexpect.EOF)
 
@@ -164,4 +164,4 @@ def test_chat_streams_text_and_reports_the_result(tiny_int4):
     stream = model.chat([{"role": "user", "content": "hi"}], stream=True, max_new_tokens=12)
     text = "".join(stream)
     assert stream.result is not None and stream.result.text == text
-    assert stream.result.stats["rounds"] >= 1
+    assert stream.result.stats.rounds >= 1

@@ -82,7 +82,7 @@ def test_every_entry_point_samples_with_the_models_defaults(recommending, displa
     args = cli.parser().parse_args(["chat", str(recommending), "--seed", "3"])
     with open(os.devnull, "w") as quiet_out:
         session = ChatSession(edgespec.load(recommending),
-                              {**cli._sampling(args), "max_new_tokens": 12}, out=quiet_out)
+                              {**cli._options(args), "max_new_tokens": 12}, out=quiet_out)
         session.turn("hello world")
     assert settings(session.last) == want and session.last.tokens == library.tokens
 

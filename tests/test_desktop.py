@@ -40,8 +40,8 @@ def test_the_window_streams_a_reply_and_stays_responsive(display, tiny_int4, tmp
     assert "you: hello there" in transcript
     assert "".join(window.reply) and len(window.reply) > 1  # streamed, in pieces
     assert shown(window.reply) == transcript.split("assistant: ", 1)[1].strip()
-    assert re.fullmatch(r"200 tokens · [\d.]+ tokens/s · [\d.]+ accepted/round · accepted "
-                        r"\d+/\d+ drafts", window.status.cget("text"))
+    assert re.fullmatch(r"200 tokens · [\d.]+ tokens/s · accepted \d+/\d+ \(\d+%\) · "
+                        r"[\d.]+ tokens/round", window.status.cget("text"))
     assert max(b - a for a, b in zip(ticks, ticks[1:])) < 0.5  # never frozen
     if shutil.which("xwd"):
         subprocess.run(["xwd", "-root", "-display", display, "-out", str(tmp_path / "window.xwd")])
@@ -62,7 +62,7 @@ def test_stop_interrupts_a_reply_and_the_conversation_goes_on(display, long_arti
     window.stop_button.invoke()
     pump(root, lambda: not window.busy)
     status = window.status.cget("text")
-    assert status.endswith("(stopped)") and "accepted/round" in status, status
+    assert status.endswith("(stopped)") and "tokens/round" in status, status
     assert int(status.split()[0]) < 4000
     assert window.messages == [{"role": "user", "content": "go"},
                                {"role": "assistant", "content": "".join(window.reply)}]

@@ -39,7 +39,7 @@ def test_plain_and_speculative_cli_runs_print_the_same_greedy_text(tiny_int4):
 def test_stats_prints_the_acceptance_line(tiny_int4):
     result = run_cli("generate", tiny_int4, "-p", "hello", "--max-new-tokens", "16", "--stats")
     assert result.returncode == 0, result.stderr
-    assert re.search(r"accepted \d+/\d+ \([\d.]+%; exit \d+/\d+ in \d+ rounds, lookup \d+/\d+ "
+    assert re.search(r"accepted \d+/\d+ \([\d.]+%; lookup \d+/\d+ in \d+ rounds; exit \d+/\d+ "
                      r"in \d+ rounds; \d+ plain "
                      r"steps\), [\d.]+ tokens/round, draft \d+% verify \d+% head \d+% "
                      r"sampling \d+%", result.stderr)

@@ -69,10 +69,9 @@ def test_any_error_inside_a_job_fails_that_job_alone(tiny_int4):
     model = edgespec.load(tiny_int4)
     worker = Worker(model, queue_size=2)
     worker.start()
-    options = {"max_new_tokens": 4, "stop": [], "sampling": {}, "ignore_eos": False,
-               "mode": "speculative"}
-    bad = Job(["not a token id"], options, chat=False)  # a TypeError, not an EdgespecError
-    good = Job(model.codec.encode("hello"), options, chat=False)
+    settings = model.settings(max_new_tokens=4)
+    bad = Job(["not a token id"], settings, chat=False)  # a TypeError, not an EdgespecError
+    good = Job(model.codec.encode("hello"), settings, chat=False)
     worker.submit(bad)
     worker.submit(good)
     assert final_event(bad)["error"].startswith("TypeError")

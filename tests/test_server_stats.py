@@ -72,11 +72,12 @@ def test_plain_mode_drafts_nothing_and_says_the_same(client):
     assert plain.choices[0].message.content == speculative.choices[0].message.content
     numbers = plain.usage.edgespec
     assert numbers["mode"] == "plain" and numbers["tokens_per_s"] > 0
-    assert numbers["drafted"] == numbers["accepted"] == numbers["rounds"] == 0
+    assert numbers["drafted"] == numbers["accepted"] == 0 and numbers["drafters"] == {}
+    assert numbers["tokens_per_round"] == 1  # every round a plain step
 
 
 def test_an_unknown_mode_is_a_400(client):
-    with pytest.raises(openai.BadRequestError, match="mode must be one of speculative, plain"):
+    with pytest.raises(openai.BadRequestError, match="unknown mode turbo; available: speculative, plain"):
         client.chat.completions.create(max_tokens=4, extra_body={"mode": "turbo"},
                                        **{k: v for k, v in ASK.items() if k != "extra_body"})
 

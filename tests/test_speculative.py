@@ -9,9 +9,11 @@ import pytest
 from helpers import make_checkpoint, quiet
 
 import edgespec
+from edgespec.decoder import Decoder
+from edgespec.drafter import Pace
+from edgespec.early_exit import EarlyExit
 from edgespec.errors import EdgespecError
-from edgespec.sampling import SAMPLING_FIELDS, SamplingParams, distribution
-from edgespec.speculative import DraftPolicy, SpecStats, SpeculativeDecoder
+from edgespec.sampling import SAMPLING_FIELDS, Sampler, SamplingParams, distribution
 from edgespec.export.pipeline import export_model
 
 
@@ -41,15 +43,19 @@ def test_greedy_speculative_equals_plain_over_seeds(tiny_model, k):
         plain = tiny_model.generate_ids(ids, max_new_tokens=40, mode="plain").tokens
         spec = tiny_model.generate_ids(ids, max_new_tokens=40, draft_k=k, adaptive=False)
         assert spec.tokens == plain, f"seed {seed}, k {k}"
-        assert spec.stats["rounds"] > 0 and spec.stats["drafted"] > 0
+        assert spec.stats.rounds > 0 and spec.stats.drafted > 0
 
 
 def test_greedy_equality_holds_with_repetition_penalty_and_adaptive_drafts(tiny_model):
     options = dict(repetition_penalty=1.3, draft_k=5, draft_threshold=0.02)
+    drafted = 0
     for seed in range(4):
         ids = prompt(100 + seed)
         plain = tiny_model.generate_ids(ids, 40, mode="plain", repetition_penalty=1.3)
-        assert tiny_model.generate_ids(ids, 40, **options).tokens == plain.tokens
+        spec = tiny_model.generate_ids(ids, 40, **options)
+        assert spec.tokens == plain.tokens
+        drafted += spec.stats.drafted
+    assert drafted > 0  # else plain was compared with plain
 
 
 @pytest.mark.parametrize("draft_k, lookup_k", [(0, 4), (3, 2)])
@@ -60,20 +66,23 @@ def test_greedy_equality_holds_with_prompt_lookup_drafts(tiny_model, draft_k, lo
         plain = tiny_model.generate_ids(ids, 40, mode="plain").tokens
         spec = tiny_model.generate_ids(ids, 40, draft_k=draft_k, lookup_k=lookup_k)
         assert spec.tokens == plain, f"seed {seed}"
-        looked_up += spec.stats["lookup_drafted"]
-        assert spec.stats["drafted"] == spec.stats["lookup_drafted"] + spec.stats["exit_drafted"]
+        by = spec.stats.drafters
+        looked_up += by["lookup"].drafted
+        assert spec.stats.drafted == sum(d.drafted for d in by.values())
     assert looked_up > 0
 
 
 def test_greedy_equality_holds_under_the_adaptive_scheduler(tiny_model):
-    plain_steps = []
-    for seed in range(4):  # one scheduler for all four: its state carries over
+    plain_steps, drafted = [], 0
+    for seed in range(4):  # the same drafters for all four: their records carry over
         ids = repetitive_prompt(50 + seed)
         plain = tiny_model.generate_ids(ids, 60, mode="plain").tokens
         spec = tiny_model.generate_ids(ids, 60, draft_k=3, lookup_k=4, adaptive=True)
         assert spec.tokens == plain, f"seed {seed}"
-        plain_steps.append(spec.stats["plain_steps"])
-    assert sum(plain_steps) >= 2  # the scheduler measures plain decoding first
+        plain_steps.append(spec.stats.plain_steps)
+        drafted += spec.stats.drafted
+    assert sum(plain_steps) >= 2  # the early exit waits for plain decoding to be measured
+    assert drafted > 0  # else plain was compared with plain
 
 
 def test_a_full_context_stops_both_modes_at_the_same_token(tiny_checkpoint, tmp_path):
@@ -138,7 +147,7 @@ def test_sampled_speculative_equals_plain_with_the_same_seed(tiny_model, options
         plain = tiny_model.generate_ids(ids, 40, mode="plain", seed=seed, **params).tokens
         spec = tiny_model.generate_ids(ids, 40, seed=seed, **params, **options)
         assert spec.tokens == plain, f"seed {seed}"
-        drafted += spec.stats["drafted"]
+        drafted += spec.stats.drafted
     assert drafted > 0
 
 
@@ -170,25 +179,24 @@ def test_lookup_drafts_accepted_as_point_masses_keep_the_verifiers_distribution(
     expected.update({(draft, int(t)): p[draft] * after[t] for t in np.flatnonzero(after)})
     n, counts = 20000, {}
     for seed in range(n):
-        decoder = SpeculativeDecoder(engine, replace(params, seed=seed), DraftPolicy(),
-                                     SpecStats())
+        decoder = Decoder(engine, Sampler(replace(params, seed=seed)), [], Pace())
         path = tuple(decoder.accept([draft], logits, ids))
         counts[path] = counts.get(path, 0) + 1
     assert_same_distribution(counts, expected, n)
 
 
-class RecordingDecoder(SpeculativeDecoder):
-    """Keeps each round's drafts, so that its statistics can be checked against counts made
-    from what the rounds did rather than by its own bookkeeping."""
+class RecordingExit(EarlyExit):
+    """Keeps each round's drafts, so that the statistics can be checked against counts made
+    from what the rounds did rather than by the loop's own bookkeeping."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.drafts = []
 
     def draft(self, *args):
-        drafter, drafts = super().draft(*args)
+        drafts = super().draft(*args)
         self.drafts.append(list(drafts))
-        return drafter, drafts
+        return drafts
 
 
 def common_prefix(a, b) -> int:
@@ -196,22 +204,26 @@ def common_prefix(a, b) -> int:
 
 
 def test_statistics_count_rounds_drafts_and_acceptance(tiny_model):
-    engine, ids, stats = tiny_model.engine, prompt(3), SpecStats()
+    engine, ids, pace = tiny_model.engine, prompt(3), Pace()
     engine.reset()
-    decoder = RecordingDecoder(engine, SamplingParams(), DraftPolicy(k=3), stats)
+    drafter = RecordingExit(engine, pace, 3)
+    decoder = Decoder(engine, Sampler(SamplingParams()), [drafter], pace)
     committed = list(decoder.rounds(engine.prefill(ids).copy(), list(ids), 30))
-    first, rounds, drafts = committed[0], committed[1:], decoder.drafts
+    first, rounds, drafts = committed[0], committed[1:], drafter.drafts
     assert len(first) == 1 and sum(map(len, committed)) == 30
-    assert len(rounds) == len(drafts) > 1
+    plain = len(rounds) - len(drafts)  # a round with no room for a draft: the last
+    assert len(drafts) > 1 and plain in (0, 1)
+    drafts = drafts + [[]] * plain
     # greedy: a round commits the drafts the verifier agreed with, then its own token
     accepted = [common_prefix(c, d) for c, d in zip(rounds, drafts)]
     assert [len(c) for c in rounds] == [a + 1 for a in accepted]
-    drafted = sum(map(len, drafts))
+    drafted, stats = sum(map(len, drafts)), decoder.stats
     assert (stats.rounds, stats.drafted, stats.accepted) == (len(rounds), drafted, sum(accepted))
-    assert (stats.exit_drafted, stats.exit_accepted, stats.lookup_drafted) == \
-        (drafted, sum(accepted), 0)
-    assert (stats.exit_rounds, stats.lookup_rounds) == (sum(bool(d) for d in drafts), 0)
-    assert stats.plain_steps == sum(not d for d in drafts)
+    assert list(stats.drafters) == ["exit"]
+    exit_ = stats.drafters["exit"]
+    assert (exit_.rounds, exit_.drafted, exit_.accepted) == \
+        (len(drafts) - plain, drafted, sum(accepted))
+    assert stats.plain_steps == plain
     assert stats.acceptance == pytest.approx(sum(accepted) / drafted)
     assert stats.tokens_per_round == pytest.approx((30 - len(first)) / len(rounds))
 
@@ -226,13 +238,24 @@ def test_invalid_draft_options_are_refused(tiny_model, options, message):
         tiny_model.generate_ids(prompt(0), 5, **options)
 
 
-def test_rollback_leaves_the_kv_buffers_in_place(tiny_model):
-    pointers = {name: value.data_ptr() for name, value in tiny_model.engine.kv.items()}
-    exit_states = tiny_model.engine.exit_states.data_ptr()
+def test_rollback_forgets_rejected_drafts_in_place(tiny_model):
+    """After rounds with rejected drafts the cache holds exactly the committed tokens, and
+    its keys and values are those a fresh prefill of them gives; the buffers never move."""
+    engine = tiny_model.engine
+    pointers = {name: value.data_ptr() for name, value in engine.kv.items()}
+    exit_states = engine.exit_states.data_ptr()
     for k, seed in itertools.product((2, 5), range(2)):
-        tiny_model.generate_ids(prompt(seed), 30, draft_k=k)
-    assert {n: v.data_ptr() for n, v in tiny_model.engine.kv.items()} == pointers
-    assert tiny_model.engine.exit_states.data_ptr() == exit_states
+        ids = prompt(seed)
+        result = tiny_model.generate_ids(ids, 30, draft_k=k, adaptive=False)
+        assert result.stats.drafted > result.stats.accepted  # some drafts were rolled back
+        committed = ids + result.tokens[:-1]  # the last token is not fed yet
+        assert engine.cached_tokens() == committed
+        after = engine.step(result.tokens[-1]).copy()
+        engine.reset()
+        fresh = engine.prefill(committed + result.tokens[-1:]).copy()
+        np.testing.assert_allclose(after, fresh, rtol=0, atol=1e-5)
+    assert {n: v.data_ptr() for n, v in engine.kv.items()} == pointers
+    assert engine.exit_states.data_ptr() == exit_states
 
 
 def test_fp16_graphs_built_for_cuda_run_lossless_on_the_cpu(tiny_checkpoint, tmp_path):

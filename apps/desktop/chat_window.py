@@ -17,20 +17,14 @@ POLL_MS = 30
 
 
 def stats_line(result) -> str:
-    """A reply's numbers, as the server's chat page shows them."""
-    parts = [f"{result.n_generated} tokens", f"{result.decode_tokens_per_s:.1f} tokens/s"]
-    if result.mode == "speculative":
-        s = result.stats
-        parts += [f"{s['accepted_per_round']:.2f} accepted/round",
-                  f"accepted {s['accepted']}/{s['drafted']} drafts"]
-    else:
-        parts.append(result.mode)
-    return " \u00b7 ".join(parts) + (" (stopped)" if result.finish_reason == "cancelled" else "")
+    """A reply's numbers for the status line."""
+    return " \u00b7 ".join(result.summary()) + \
+        (" (stopped)" if result.finish_reason == "cancelled" else "")
 
 
 class ChatWindow:
     def __init__(self, root: tk.Tk, model, max_new_tokens: int = 256, **options):
-        """options: generation options for Model.chat (temperature, draft_k, mode, ...)."""
+        """options: generation options for Model.chat (temperature, draft_k, mode, stop, ...)."""
         self.root, self.model, self.max_new_tokens = root, model, max_new_tokens
         self.options = options
         self.messages, self.pieces, self.busy = [], queue.Queue(), False

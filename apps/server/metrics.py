@@ -97,9 +97,9 @@ class Metrics:
                 t["decode_seconds"] += result.decode_s
                 self.tokens_per_s.observe(result.decode_tokens_per_s)
             stats = result.stats
-            t["drafted_tokens"] += stats.get("drafted", 0)
-            t["accepted_tokens"] += stats.get("accepted", 0)
-            t["speculative_rounds"] += stats.get("rounds", 0)
+            t["drafted_tokens"] += stats.drafted
+            t["accepted_tokens"] += stats.accepted
+            t["speculative_rounds"] += stats.rounds if result.mode == "speculative" else 0
 
     def render(self, queued: int, capacity: int, busy: bool, connections: int) -> str:
         """The text exposition of every metric."""

@@ -4,9 +4,8 @@ import math
 import time
 import uuid
 
-from edgespec.errors import EdgespecError
-from edgespec.model import MODES
-from edgespec.sampling import SAMPLING_FIELDS, SamplingParams
+from edgespec.sampling import SAMPLING_FIELDS
+from edgespec.settings import SAMPLING_OPTIONS, SettingError
 
 
 class BadRequest(Exception):
@@ -81,41 +80,30 @@ def _max_new_tokens(body, cap) -> int:
     return value
 
 
-def _mode(body) -> str:
-    mode = body.get("mode", "speculative")
-    if mode not in MODES:
-        raise BadRequest(f"mode must be one of {', '.join(MODES)}, not {_shown(mode)}", "mode")
-    return mode
-
-
-def generation_options(body: dict, allow_ignore_eos: bool = False, max_tokens: int = None
-                       ) -> dict:
-    """Sampling and length options from an OpenAI request (validated). ignore_eos is
-    refused unless the server allows it: it lets one request hold the worker for a whole
-    context. max_tokens: the most tokens a reply may ask for (None: no limit but the
-    context)."""
+def generation_settings(body: dict, model, allow_ignore_eos: bool = False,
+                        max_tokens: int = None):
+    """The Settings of an OpenAI request (validated; a field it leaves out, or null, is the
+    model's default). ignore_eos is refused unless the server allows it: it lets one request
+    hold the worker for a whole context. max_tokens: the most tokens a reply may ask for
+    (None: no limit but the context)."""
     if _number(body, "n", 1, integer=True) != 1:
         raise BadRequest("only n = 1 is supported", "n")
     _refuse_unsupported(body)
-    # a field the request leaves out (or null) is the model's default (Model.sampling)
-    sampling = {name: _number(body, name, None, integer=name in ("top_k", "seed"))
-                for name in (*SAMPLING_FIELDS, "seed")}
-    if (sampling["temperature"] or 0) > 2:
+    options = {name: _number(body, name, None, integer=name in ("top_k", "seed"))
+               for name in SAMPLING_OPTIONS}
+    if (options["temperature"] or 0) > 2:
         raise BadRequest("temperature must be in [0, 2]", "temperature")
-    for name, value in sampling.items():  # one at a time, so the error names its field
-        try:
-            SamplingParams().with_options(**{name: value})
-        except EdgespecError as e:
-            raise BadRequest(str(e), name) from e
     ignore_eos = _flag(body, "ignore_eos")
     if ignore_eos and not allow_ignore_eos:
         raise BadRequest("ignore_eos is off on this server (a reply could hold it for a whole "
                          "context); start it with --allow-ignore-eos", "ignore_eos")
-    return {"max_new_tokens": _max_new_tokens(body, max_tokens), "stop": _stops(body),
-            "sampling": sampling, "ignore_eos": ignore_eos, "mode": _mode(body)}
+    options.update(max_new_tokens=_max_new_tokens(body, max_tokens), stop=_stops(body),
+                   ignore_eos=ignore_eos, mode=body.get("mode"))
+    try:
+        return model.settings(**options)
+    except SettingError as e:
+        raise BadRequest(str(e), e.name) from e
 
-
-MAX_STOPS, MAX_STOP_CHARS = 4, 1000
 
 # fields that would change what a reply is, which this server does not do, and the value
 # that asks for nothing: a request giving anything else is refused rather than half-served
@@ -132,14 +120,15 @@ def _refuse_unsupported(body):
             raise BadRequest(f"{name} is not supported by this server; leave it out", name)
 
 
-def _stops(body) -> list:
+def _stops(body):
+    """The stop strings as given (Settings checks how many and how long)."""
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
-    if not (isinstance(stop, list) and len(stop) <= MAX_STOPS
-            and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)):
-        raise BadRequest(f"stop must be a string or a list of up to {MAX_STOPS} strings, each "
-                         f"of 1 to {MAX_STOP_CHARS} characters", "stop")
-    return [_unicode(s, "stop") for s in stop]
+    if isinstance(stop, list):
+        for s in stop:
+            if isinstance(s, str):
+                _unicode(s, "stop")
+    return stop
 
 
 def sampling_defaults(model) -> dict:
@@ -206,54 +195,6 @@ def completion_prompt(body: dict) -> str:
     return _unicode(prompt, "prompt")
 
 
-class StopScanner:
-    """Cuts streamed text at the first stop string, holding back what may begin one. Each
-    stop has a Knuth-Morris-Pratt matcher, so a character costs amortized constant time
-    however long the stops are, and at most the longest stop is ever held back."""
-
-    def __init__(self, stops):
-        self.stops, self.pending, self.stopped = stops, "", False
-        self.fallback = [_fallback(s) for s in stops]
-        self.matched = [0] * len(stops)  # per stop: its longest prefix that ends the text
-
-    def feed(self, text: str) -> str:
-        """The text that is safe to send now."""
-        start = len(self.pending)
-        self.pending += text
-        for i, char in enumerate(text):
-            longest = 0  # of the stops that end at this character: cut before the longest
-            for j, stop in enumerate(self.stops):
-                n = self.matched[j]
-                while n and stop[n] != char:
-                    n = self.fallback[j][n - 1]
-                n = self.matched[j] = n + (stop[n] == char)
-                if n == len(stop):
-                    longest = max(longest, n)
-            if longest:
-                self.stopped = True
-                out, self.pending = self.pending[:start + i + 1 - longest], ""
-                return out
-        cut = len(self.pending) - max(self.matched, default=0)
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
-def _fallback(stop: str) -> list:
-    """KMP's failure function: for each prefix of stop, the length of its longest proper
-    prefix that is also its suffix."""
-    table, n = [0] * len(stop), 0
-    for i in range(1, len(stop)):
-        while n and stop[i] != stop[n]:
-            n = table[n - 1]
-        n += stop[i] == stop[n]
-        table[i] = n
-    return table
-
-
 def new_id(prefix):
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -274,11 +215,11 @@ def speculation(result) -> dict:
     return {"mode": result.mode, "tokens_per_s": round(result.decode_tokens_per_s, 2),
             "prefill_s": round(result.prefill_s, 4), "decode_s": round(result.decode_s, 4),
             "cached_prompt_tokens": result.n_prompt - result.n_prefilled,
-            "drafted": stats.get("drafted", 0), "accepted": stats.get("accepted", 0),
-            "rounds": stats.get("rounds", 0),
-            "acceptance": round(stats.get("acceptance", 0.0), 4),
-            "accepted_per_round": round(stats.get("accepted_per_round", 0.0), 4),
-            "tokens_per_round": round(stats.get("tokens_per_round", 0.0), 4)}
+            "drafted": stats.drafted, "accepted": stats.accepted, "rounds": stats.rounds,
+            "acceptance": round(stats.acceptance, 4),
+            "accepted_per_round": round(stats.accepted_per_round, 4),
+            "tokens_per_round": round(stats.tokens_per_round, 4),
+            "drafters": stats.to_dict()["drafters"]}
 
 
 def chat_response(rid, model, text, finish, use) -> dict:
@@ -312,6 +253,6 @@ def completion_chunk(rid, model, text="", finish=None, use=None) -> dict:
     return chunk
 
 
-def finish_reason(generation_finish: str, stopped: bool) -> str:
+def finish_reason(generation_finish: str) -> str:
     """OpenAI's finish_reason: "stop" at an end of turn or a stop string, else "length"."""
-    return "stop" if stopped or generation_finish == "stop" else "length"
+    return "stop" if generation_finish == "stop" else "length"

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 from edgespec.errors import EdgespecError
 from edgespec.model import stop_reply
+from edgespec.settings import Settings
 
 from . import openai_api as api
 from .connections import (RETRY_AFTER_S, HeadTooLarge, Limits, Refused, RequestReader, Server,
@@ -40,7 +41,7 @@ OPEN_PATHS = {"/health"}  # with the page's files: answered without the API key
 @dataclass
 class Job:
     prompt_ids: list
-    options: dict
+    settings: Settings
     chat: bool
     events: queue.Queue = field(default_factory=queue.Queue)  # text pieces, then a final dict
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -85,10 +86,7 @@ class Worker(threading.Thread):
         if job.cancelled.is_set():  # its client left while it waited: still tell its handler
             self._end(job, "cancelled", None, 0)
             return
-        o = job.options
-        pieces = self.model.stream_ids(job.prompt_ids, o["max_new_tokens"], o["mode"],
-                                       reuse_cache=job.chat, ignore_eos=o["ignore_eos"],
-                                       **o["sampling"])
+        pieces = self.model.stream_ids(job.prompt_ids, job.settings, reuse_cache=job.chat)
         generated = 0
         while True:
             if job.cancelled.is_set():  # stopped here, the reply still tells what it did
@@ -279,15 +277,16 @@ class Handler(BaseHTTPRequestHandler):
                        False, started)
 
     def _generate(self, body, ids, chat, started):
-        options = api.generation_options(body, self.allow_ignore_eos, self.max_tokens)
+        settings = api.generation_settings(body, self.worker.model, self.allow_ignore_eos,
+                                           self.max_tokens)
         stream, include_usage = api.stream_settings(body)
         limit = self.worker.model.engine.max_context
         if len(ids) >= limit:
             raise api.BadRequest(f"the prompt has {len(ids)} tokens; the context is {limit}",
                                  "messages" if chat else "prompt")
         # prompt and reply together fit the context, as OpenAI counts it
-        options["max_new_tokens"] = min(options["max_new_tokens"], limit - len(ids))
-        job = Job(ids, options, chat)
+        job = Job(ids, settings.with_options(
+            max_new_tokens=min(settings.max_new_tokens, limit - len(ids))), chat)
         try:
             self.worker.submit(job)
         except queue.Full:
@@ -295,21 +294,20 @@ class Handler(BaseHTTPRequestHandler):
                        {"Retry-After": str(RETRY_AFTER_S)})
             return
         rid = api.new_id("chatcmpl" if chat else "cmpl")
-        scanner = api.StopScanner(options["stop"])
         self.first_text_s = None  # set by _events
         try:
             if stream:
-                self._stream(job, rid, chat, scanner, include_usage, started)
+                self._stream(job, rid, chat, include_usage, started)
             else:
-                self._complete(job, rid, chat, scanner, started)
+                self._complete(job, rid, chat, started)
             self.metrics.request_timed(time.monotonic() - started, self.first_text_s)
         finally:
             job.cancelled.set()  # a handler that stops early (client gone, error) stops its job
 
-    def _events(self, job, scanner, started):
-        """Text safe to send and the final event; cancels the job on a stop string or when
-        the client has gone (checked every CHECK_S, streaming or not). Notes when the first
-        text came (first_text_s, seconds after `started`)."""
+    def _events(self, job, started):
+        """Text and the final event; cancels the job when the client has gone (checked
+        every CHECK_S, streaming or not). Notes when the first text came (first_text_s,
+        seconds after `started`)."""
         checked = time.monotonic()
         while True:
             try:
@@ -323,30 +321,25 @@ class Handler(BaseHTTPRequestHandler):
             if event is None:
                 continue
             if isinstance(event, dict):
-                yield scanner.flush(), event
+                yield "", event
                 return
-            if scanner.stopped:  # pieces already on their way when the job was cancelled
-                continue
-            text = scanner.feed(event)
-            if scanner.stopped:
-                job.cancelled.set()
-            if text and self.first_text_s is None:
+            if self.first_text_s is None:
                 self.first_text_s = time.monotonic() - started
-            yield text, None
+            yield event, None
 
-    def _complete(self, job, rid, chat, scanner, started):
+    def _complete(self, job, rid, chat, started):
         parts, final = [], None
-        for text, final in self._events(job, scanner, started):
+        for text, final in self._events(job, started):
             parts.append(text)
         if "error" in final:
             self._json(500, api.error_body(final["error"], "server_error"))
             return
-        finish = api.finish_reason(final["finish"], scanner.stopped)
+        finish = api.finish_reason(final["finish"])
         use = api.usage(len(job.prompt_ids), final["generated"], final["result"])
         respond = api.chat_response if chat else api.completion_response
         self._json(200, respond(rid, self.model_name, "".join(parts), finish, use))
 
-    def _stream(self, job, rid, chat, scanner, include_usage, started):
+    def _stream(self, job, rid, chat, include_usage, started):
         self.streaming = True
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -356,7 +349,7 @@ class Handler(BaseHTTPRequestHandler):
         chunk = api.chat_chunk if chat else api.completion_chunk
         if chat:
             self._sse(chunk(rid, self.model_name, {"role": "assistant", "content": ""}))
-        for text, final in self._events(job, scanner, started):
+        for text, final in self._events(job, started):
             if text:
                 self._sse(chunk(rid, self.model_name, {"content": text} if chat else text))
             if final is None:
@@ -364,7 +357,7 @@ class Handler(BaseHTTPRequestHandler):
             if "error" in final:
                 self._sse(api.error_body(final["error"], "server_error"))
                 continue
-            finish = api.finish_reason(final["finish"], scanner.stopped)
+            finish = api.finish_reason(final["finish"])
             self._sse(chunk(rid, self.model_name, {} if chat else "", finish))
             if include_usage:
                 self._sse(chunk(rid, self.model_name, use=api.usage(
