@@ -179,35 +179,30 @@ class Model:
         start = time.perf_counter()
         first_logits, reused = self._prefill(prompt_ids, reuse_cache)
         prefill_s = time.perf_counter() - start
-        sampler = Sampler(settings.sampling)
-        pace, drafters = self._drafting(settings.draft)
-        decoder = Decoder(self.engine, sampler,
-                          drafters if settings.mode == "speculative" else [], pace)
+        decoder = self._decoder(settings)
         history, stream = list(prompt_ids), StreamDecoder(self.codec)
         stops = StopScanner(settings.stop)
         tokens, finish, texts = [], None, []
         stop_ids = set() if settings.ignore_eos else self.stop_ids
         drafted = False  # of the tokens whose text is still held (an incomplete character)
         try:
-            for committed in decoder.rounds(first_logits, history, settings.max_new_tokens):
-                for i, token in enumerate(committed):
-                    tokens.append(token)
-                    if token in stop_ids:
-                        finish = "stop"
-                        break
-                    drafted |= i < len(committed) - 1  # all but a round's last were drafts
-                    text = stops.feed(stream.push(token))
-                    if text:
-                        texts.append(text)
-                        yield Piece(text, drafted=drafted, generated=len(tokens))
-                        drafted = False
-                    if stops.stopped:
-                        finish = "stop"
-                        break
-                    if len(tokens) == settings.max_new_tokens:
-                        finish = "length"
-                        break
-                if finish:
+            for token, was_draft in _tokens(decoder.rounds(first_logits, history,
+                                                           settings.max_new_tokens)):
+                tokens.append(token)
+                if token in stop_ids:
+                    finish = "stop"
+                    break
+                drafted |= was_draft
+                text = stops.feed(stream.push(token))
+                if text:
+                    texts.append(text)
+                    yield Piece(text, drafted=drafted, generated=len(tokens))
+                    drafted = False
+                if stops.stopped:
+                    finish = "stop"
+                    break
+                if len(tokens) == settings.max_new_tokens:
+                    finish = "length"
                     break
         except ContextFull:
             finish = "context_full"
@@ -221,15 +216,19 @@ class Model:
         return Generation(text, tokens, len(prompt_ids), prefill_s, decode_s, settings.mode,
                           finish or "length", decoder.stats,
                           n_prefilled=len(prompt_ids) - reused,
-                          sampling={**asdict(settings.sampling), "seed": sampler.seed})
+                          sampling={**asdict(settings.sampling), "seed": decoder.sampler.seed})
 
-    def _drafting(self, policy):
-        """The yardstick and drafters of earlier generations with this policy: what they
-        measured of the model carries over."""
+    def _decoder(self, settings) -> Decoder:
+        """The decode loop for these settings: the draft policy's drafters (none for plain
+        decoding), those of earlier generations with this policy, so that what they measured
+        of the model carries over."""
+        policy = settings.draft
         if policy not in self._by_policy:
             pace = Pace(self.artifact.manifest.get("round_costs"))
             self._by_policy[policy] = pace, drafters_for(policy, self.engine, pace)
-        return self._by_policy[policy]
+        pace, drafters = self._by_policy[policy]
+        return Decoder(self.engine, Sampler(settings.sampling),
+                       drafters if settings.mode == "speculative" else [], pace)
 
     def _prefill(self, prompt_ids, reuse_cache):
         """Logits after the prompt, and how many of its tokens the cache already held."""
@@ -256,6 +255,14 @@ class Model:
             raise EdgespecError(f"the prompt has {len(prompt_ids)} tokens but the artifact's "
                                 f"context is {limit}; shorten the prompt or export with a "
                                 "larger --max-context")
+
+
+def _tokens(rounds):
+    """(token, whether it was an accepted draft) for every token the rounds commit: all but
+    a round's last are drafts."""
+    for committed in rounds:
+        for i, token in enumerate(committed):
+            yield token, i < len(committed) - 1
 
 
 def load(path, device: str = "auto", threads: int = None, verify: bool = True) -> Model:
