@@ -1,4 +1,4 @@
-"""Issue 4's ablation: what each drafting piece adds, per category, on the same prompts.
+"""Drafting ablation: what each drafting piece adds, per category, on the same prompts.
 
     .venv/bin/python benchmarks/ablation.py models/smollm2-135m-instruct \
         --prompts ../shared/data/spec_bench_dev.jsonl --per-category 4 --threads 2

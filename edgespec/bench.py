@@ -8,7 +8,6 @@ tokens (seeded sampling, like greedy decoding, gives speculative the same tokens
 import json
 import statistics
 import sys
-import time
 import zlib
 from collections import defaultdict
 from importlib import resources
@@ -139,32 +138,6 @@ def plot(summaries, out, title):
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
-
-
-COST_ROWS = (1, 2, 3, 4, 6, 8)
-
-
-def round_costs(model, cached=200, repeat=15) -> dict:
-    """Median ms of one round through lower, upper and head on M rows, for M in COST_ROWS,
-    after `cached` positions: a verify of M - 1 drafts against a plain step (M = 1)."""
-    engine = model.engine
-    cached = min(cached, engine.max_context - 2 * max(COST_ROWS))
-    ids = [i % engine.vocab_size for i in range(cached + max(COST_ROWS))]
-    engine.reset()
-    engine.prefill(ids[:cached])
-    costs = {}
-    for rows in COST_ROWS:
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            engine.lower(ids[cached:cached + rows])
-            engine.upper(rows)
-            engine.head(engine.final_states, range(rows))
-            times.append(time.perf_counter() - start)
-            engine.rollback(cached)
-        costs[rows] = 1e3 * statistics.median(times)
-    engine.reset()
-    return costs
 
 
 def cost_line(costs) -> str:

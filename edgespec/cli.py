@@ -234,7 +234,7 @@ def _bench(args):
     settings = model.settings(**options)
     results = bench.run(model, rows, settings, args.repeat)
     summaries = bench.summarize(results)
-    costs = bench.round_costs(model)
+    costs = model.engine.round_costs()
     policy, sampling = settings.draft, settings.sampling
     print(f"{args.artifact}: exit layer {model.artifact.exit_layer}, {policy.describe()}, "
           f"{args.max_new_tokens} new tokens, {sampling.describe()}")

@@ -22,15 +22,18 @@ the call's total length; for head_dim > 128 (Gemma 3) a call is cut where that c
 The optional draft graph (exit adapter and shortlisted head) reads exit states too and has
 its own KV cache; it only proposes tokens, so its numerics never touch the output.
 """
+import statistics
+import time
+
 import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as ort_state
 
-from .artifact import MANIFEST, Artifact
+from .artifact import MANIFEST, PAD_ROWS, Artifact
 from .errors import EdgespecError
 
 CHUNK = 256  # the most positions one call handles (prefill is cut into chunks)
-PAD_ROWS = 1  # zero rows each graph appends to its attention calls (see above)
+COST_ROWS = (1, 2, 3, 4, 6, 8)  # the rows of a round whose cost round_costs measures
 NUMPY_DTYPE = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
@@ -75,9 +78,8 @@ def _session_options(threads):
     """Options that make the three sessions share one thread pool.
 
     They run in turn, many times per token: with a pool each, the idle pools' spinning
-    threads starve the running one (measured: 6.3 ms/token with per-session pools without
-    spinning, 4.1 ms with one shared pool). The pool is made once per process; later
-    `threads` values do not resize it.
+    threads starve the running one (DESIGN.md has the measurement). The pool is made once
+    per process; later `threads` values do not resize it.
     """
     global _pool_threads
     if _pool_threads is None:
@@ -277,7 +279,7 @@ class Engine:
         for first, n in self._pieces(start, count):
             call = self._layer_call("upper", n)
             self._bind_rows(call.binding.bind_input, "exit_hidden", self.exit_states, first, n)
-            if call.rows_out != first - start:  # rebinding costs ~12 us: only when it moved
+            if call.rows_out != first - start:  # rebinding is not free: only when it moved
                 call.rows_out = first - start
                 self._bind_rows(call.binding.bind_output, "final_hidden", self.final_states,
                                 call.rows_out, n)
@@ -331,6 +333,28 @@ class Engine:
         self.lower([token])
         self.upper(1)
         return self.head(self.final_states, [0])[0]
+
+    def round_costs(self, cached=200, repeat=15) -> dict:
+        """Median ms of one round through lower, upper and head on M rows, for M in COST_ROWS,
+        after `cached` positions: a verify of M - 1 drafts against a plain step (M = 1).
+        Leaves the cache empty."""
+        cached = min(cached, self.max_context - 2 * max(COST_ROWS))
+        ids = [i % self.vocab_size for i in range(cached + max(COST_ROWS))]
+        self.reset()
+        self.prefill(ids[:cached])
+        costs = {}
+        for rows in COST_ROWS:
+            times = []
+            for _ in range(repeat):
+                start = time.perf_counter()
+                self.lower(ids[cached:cached + rows])
+                self.upper(rows)
+                self.head(self.final_states, range(rows))
+                times.append(time.perf_counter() - start)
+                self.rollback(cached)
+            costs[rows] = 1e3 * statistics.median(times)
+        self.reset()
+        return costs
 
 
 def _chunks(ids):

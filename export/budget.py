@@ -2,7 +2,7 @@
 
 Calibration's work is priced in seconds of plain decoding on the machine at hand (measured
 first, with one short generation): measuring a policy costs its prompts x tokens at plain
-speed (a fixed-k early exit about 2.5 times that: it runs at 0.4-0.9x plain), a training
+speed (a fixed-k early exit FIXED_K_COST times that: it runs slower than plain), a training
 reply its tokens, another exit layer its graph build. In that order, while it fits: the
 final choice of the shipped policy (at most half the budget, on fewer prompts if need be);
 an exit adapter, if one is to be trained, with the k and shortlist screens that make it
@@ -12,7 +12,7 @@ drafts with each other, on half the final choice's prompts.
 """
 from dataclasses import dataclass, field
 
-OVERHEAD = 1.5             # prefill, session loading, graph rewrites, longer replies: measured
+OVERHEAD = 1.5             # prefill, session loading, graph rewrites, longer replies
 FIXED_K_COST = 2.5         # a fixed-k early exit's time, in plain decoding's
 FINAL_SHARE = 0.5          # of the budget, at most, for the final choice (if it can)
 MIN_PROMPTS = 4            # fewer held-out prompts measure noise

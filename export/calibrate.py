@@ -81,14 +81,13 @@ def fitting(artifact_dir, prompts, new_tokens) -> list:
 def with_exit_states(artifact_dir, sequences) -> list:
     """The same sequences with the exit states of another artifact (another exit layer)."""
     from edgespec.artifact import open_artifact
-    from edgespec.engine import Engine, _chunks
+    from edgespec.engine import Engine
 
     engine = Engine(open_artifact(artifact_dir, verify=False), threads=2)
     moved = []
     for s in sequences:
         engine.reset()
-        for chunk in _chunks(s.tokens):
-            engine.lower(chunk)
+        engine.lower(s.tokens)
         states = engine.exit_states.numpy()[0, :len(s.tokens)].astype(np.float32)
         moved.append(exit_adapter.Sequence(states, s.start, s.top_ids, s.top_probs, s.tokens))
     return moved
@@ -129,10 +128,8 @@ def round_costs(artifact_dir) -> dict:
     """What a round through lower, upper and head costs here by rows, in plain steps
     (`edgespec bench`'s table): the scheduler plans lookup's draft lengths on it."""
     import edgespec
-    from edgespec import bench
 
-    model = edgespec.load(artifact_dir, threads=2, verify=False)
-    ms = bench.round_costs(model)
+    ms = edgespec.load(artifact_dir, threads=2, verify=False).engine.round_costs()
     return {str(rows): round(cost / ms[1], 3) for rows, cost in ms.items()}
 
 

@@ -8,9 +8,8 @@ of columns keeps the scale and zero point of export's least-squares search (quan
 the format is the same MatMulNBits int4 with zero points; only the codes change.
 
 The same pass gathers the lm_head's inputs (the final norm's output), so the vocabulary
-table's 4-bit rows are chosen the same way. On the bundled SmolLM2 the quality gate's top-1
-agreement with the full model goes from 0.736 to 0.806 and perplexity from 35.42 to 34.08,
-at no cost in decoding speed (DESIGN.md, "GPTQ for the int4 codes").
+table's 4-bit rows are chosen the same way. What it gains, at no cost in decoding speed:
+DESIGN.md, "GPTQ for the int4 codes".
 """
 import numpy as np
 
@@ -18,9 +17,9 @@ from .progress import progress
 from .quantize import BLOCK, Int4Weight, _pack, quantize_int4
 
 DAMPING = 0.01  # of H's mean diagonal, added to its diagonal: keeps the inverse stable
-TOKENS = 16384  # calibration tokens at most (4096 follow SmolLM2 less)
-# tokens x decoder-layer weights: SmolLM2-135M (106M) gets all TOKENS, a 0.5B model ~4.6k,
-# so the pass and the Gram matrices cost about the same time whatever the model's size
+TOKENS = 16384  # calibration tokens at most (fewer follow a small model less)
+# tokens x decoder-layer weights: a small model gets all TOKENS, a larger one fewer, so the
+# pass and the Gram matrices cost about the same time whatever the model's size
 WORK = 16384 * 110e6
 SEQUENCE = 512  # tokens per calibration sequence
 CHUNK = 128     # columns rounded between two updates of the rest
@@ -60,9 +59,8 @@ def gptq_int4(w: np.ndarray, h: np.ndarray) -> Int4Weight:
 def error_spread(h: np.ndarray, order) -> np.ndarray:
     """The upper Cholesky factor U of H^-1 (H^-1 = U'U) with H's inputs in `order` and damped,
     float32: row i says how column i's rounding error spreads onto the columns after it.
-    Through torch's Cholesky inverse, 2.5x faster than inverting (Qwen2.5 0.5B's 4864-wide
-    down projection: 1.7 s), each step's result replacing the last (at most two K x K
-    matrices of its own at a time)."""
+    Through torch's Cholesky inverse, faster than inverting, each step's result replacing
+    the last (at most two K x K matrices of its own at a time)."""
     import torch
     order = torch.from_numpy(order)
     h = torch.from_numpy(np.asarray(h, np.float64))[order][:, order]

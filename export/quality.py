@@ -45,7 +45,7 @@ def scores(logits, ids) -> tuple:
 
 def artifact_scores(path, ids) -> tuple:
     """scores() of an exported artifact, prefill in chunks: a chunk's logits at a time, never
-    the passage's (634 x 262144 floats are 0.66 GB for Gemma 3)."""
+    the passage's (with a large vocabulary those take gigabytes)."""
     from edgespec.engine import CHUNK
     from edgespec.model import load
     engine = load(path, verify=False).engine

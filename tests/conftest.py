@@ -30,7 +30,7 @@ def tiny_int4(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def long_artifact(tmp_path_factory):
-    """A tiny model with room for 4000-token replies, deep enough that one takes ~8 s
+    """A tiny model with room for 4000-token replies, deep enough that one takes seconds
     (lookup drafting races through a random model's loops): slow enough to cancel."""
     path = tmp_path_factory.mktemp("long")
     checkpoint = make_checkpoint(path / "ckpt", max_positions=4096, layers=32,

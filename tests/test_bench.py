@@ -36,10 +36,9 @@ def test_bench_writes_table_json_and_plot(tiny_int4, tmp_path):
 
 
 def test_round_costs_leave_the_cache_empty_and_the_model_deterministic(tiny_int4):
-    from edgespec.bench import round_costs
     model = edgespec.load(tiny_int4)
     before = model.generate_ids([5, 6, 7, 8], max_new_tokens=12).tokens
-    costs = round_costs(model, repeat=2)
+    costs = model.engine.round_costs(repeat=2)
     assert list(costs) == [1, 2, 3, 4, 6, 8]
     assert model.engine.lower_len == model.engine.upper_len == 0
     assert model.generate_ids([5, 6, 7, 8], max_new_tokens=12).tokens == before

@@ -7,7 +7,7 @@ from edgespec.export.pipeline import export_model
 
 SIZES = budget.Sizes(held_out=12, measure_tokens=96, train_prompts=200, train_tokens=128,
                      k_candidates=4, shortlist_sizes=3, final_policies=5)
-QWEN_05B = dict(token_s=1 / 65, build_s=60)   # plain decoding and a graph build, measured
+QWEN_05B = dict(token_s=1 / 65, build_s=60)   # plain decoding and a graph build, typical
 SMOLLM2 = dict(token_s=1 / 150, build_s=15)
 
 

@@ -1,4 +1,4 @@
-"""Integration on the real GGUF models of issue 13, when their files are present.
+"""Integration on the larger real GGUF models (Qwen2.5-Coder, Gemma 3), when their files are present.
 
 Fetch them with `benchmarks/fetch_models.sh` (into models/sources/, which git ignores);
 without them every test here skips and says which file is missing. Each model is exported

@@ -95,13 +95,13 @@ def test_int4_top1_agrees_with_fp32_along_its_continuations(smollm2_int4, fp32, 
     assert len(agree) == 64 * len(PROMPTS)
     rate = float(np.mean(agree))
     print(f"\nint4 vs fp32 top-1 agreement: {rate:.3f} over {len(agree)} positions")
-    # 0.77 measured with the default zero-point scheme (0.95 with --int4-scheme q4_1, exact
-    # for this Q4_1 source): requantizing a Q4_1 grid to integer zero points costs agreement
+    # requantizing a Q4_1 grid to integer zero points costs agreement (--int4-scheme q4_1 is
+    # exact for this Q4_1 source; DESIGN.md has both numbers)
     assert rate >= 0.7
 
 
 # onnxruntime-genai 0.18's int4 model of the same weights (its builder, int4, CPU) on the
-# quality passage, measured with `benchmarks/peers.py --quality` (README, Speed)
+# quality passage, from `benchmarks/peers.py --quality` (DESIGN.md)
 GENAI_INT4 = {"top1_agreement": 0.6125, "perplexity": 38.774}
 
 
