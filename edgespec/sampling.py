@@ -279,6 +279,15 @@ class Sampler:
                 self.spread = math.inf
         if ids.size > 2 * k + 8 and math.isfinite(self.spread):
             self.spread *= 0.8  # more than needed: look less far next time
+        keep = ids.size - unseen + k  # the largest `keep` raw logits hold k unseen tokens
+        if ids.size > 4 * keep + 64 and not params.raises:
+            # far too many (a flat distribution after a peaked one): keep the `keep` largest
+            # and their ties. A penalty only lowers, so no token below them can reach the
+            # k-th of the unseen among them.
+            values = z[ids]
+            hit = values >= np.partition(values, ids.size - keep)[ids.size - keep]
+            ids = ids[hit]
+            seen = seen[hit] if seen is not None else None
         if counts is None:
             return ids, z[ids]
         if params.raises:

@@ -164,3 +164,21 @@ def test_settings_describe_what_is_on_and_the_seed_of_a_sampled_reply():
     assert SamplingParams(repetition_penalty=1.2).describe() == "greedy, repetition penalty 1.2"
     assert SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=3).describe() == \
         "temperature 0.8, top-k 40, top-p 0.9, seed 3"
+
+
+def test_a_sampler_kept_across_peaked_and_flat_positions_keeps_the_exact_top_k():
+    """Its look-ahead spread, learnt on earlier positions, may select far too few or far too
+    many tokens at the next: the kept set is the same as the plain chain's either way."""
+    rng = np.random.default_rng(9)
+    vocab, history = 49152, []
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.1)
+    sampler = Sampler(params)
+    for step in range(60):
+        scale = [0.2, 8.0][step % 2]  # flat, then peaked: the spread lags behind
+        logits = (rng.normal(size=vocab) * scale).astype(np.float32)
+        logits[history[-20:]] += 3.0  # seen tokens among the likeliest
+        sampler._count(vocab, history, ())
+        fast = sampler.candidates(logits).probabilities(vocab)
+        np.testing.assert_allclose(fast, reference_distribution(logits, history, params),
+                                   atol=1e-6, err_msg=f"step {step}")
+        history.append(int(rng.integers(0, vocab)))
