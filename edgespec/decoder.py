@@ -36,7 +36,7 @@ def drafters_for(policy: DraftPolicy, engine: Engine, pace: Pace) -> list:
 def best_offer(drafters: list, history: list, budget: int):
     """The offer with the most expected tokens per cost (ties: the earlier drafter), None
     when no drafter offers one."""
-    if not budget:
+    if not (budget and drafters):
         return None
     offers = [o for o in (d.offer(history, budget) for d in drafters) if o]
     return max(offers, key=lambda o: o.value, default=None)

@@ -158,9 +158,10 @@ class Model:
 
     def generate_ids(self, prompt_ids: list, max_new_tokens: int = None, on_text=None,
                      settings: Settings = None, **options) -> Generation:
-        """Reply to token ids (no template) with `settings`, or the model's with these
-        options."""
-        settings = settings or self.settings(max_new_tokens=max_new_tokens, **options)
+        """Reply to token ids (no template) with `settings` (default: the model's) and
+        these options over them."""
+        settings = (settings or self.defaults).with_options(max_new_tokens=max_new_tokens,
+                                                            **options)
         stream = TextStream(self.stream_ids(prompt_ids, settings))
         for text in stream:
             if on_text:

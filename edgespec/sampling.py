@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import EdgespecError
+from .errors import SettingError
 
 # Without a top-k or top-p or min-p filter every token keeps some probability: tokens whose
 # weight is below this fraction of the likeliest's are drawn, in id order, only when the
@@ -65,7 +65,8 @@ class SamplingParams:
         ]
         for name, value, ok, expected in checks:
             if not ok or (isinstance(value, float) and not np.isfinite(value)):
-                raise EdgespecError(f"invalid {name} {value}: it must be {expected}")
+                raise SettingError(f"invalid {name} {value}: it must be {expected}",
+                                   name.replace("-", "_"))
 
     def with_options(self, **given) -> "SamplingParams":
         """These settings with the given fields replaced (None: not given, keep ours). A
@@ -279,21 +280,21 @@ class Sampler:
                 self.spread = math.inf
         if ids.size > 2 * k + 8 and math.isfinite(self.spread):
             self.spread *= 0.8  # more than needed: look less far next time
+        values = z[ids]
         keep = ids.size - unseen + k  # the largest `keep` raw logits hold k unseen tokens
         if ids.size > 4 * keep + 64 and not params.raises:
             # far too many (a flat distribution after a peaked one): keep the `keep` largest
             # and their ties. A penalty only lowers, so no token below them can reach the
             # k-th of the unseen among them.
-            values = z[ids]
             hit = values >= np.partition(values, ids.size - keep)[ids.size - keep]
-            ids = ids[hit]
+            ids, values = ids[hit], values[hit]
             seen = seen[hit] if seen is not None else None
         if counts is None:
-            return ids, z[ids]
+            return ids, values
         if params.raises:
             ids = np.union1d(ids, counts.seen[:counts.n_seen])
             seen = counts.count[ids]
-        values = z[ids]
+            values = z[ids]
         hit = seen > 0
         values[hit] = self._penalize(values[hit], seen[hit])
         return ids, values

@@ -7,7 +7,7 @@ gives its options by the same flat names (temperature, draft_k, stop, ...) to
 import dataclasses
 from dataclasses import dataclass
 
-from .errors import EdgespecError
+from .errors import SettingError
 from .sampling import SAMPLING_FIELDS, SamplingParams
 
 MODES = ("speculative", "plain")
@@ -25,14 +25,6 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-class SettingError(EdgespecError):
-    """An invalid option; `name` is the option's flat name (temperature, stop, ...)."""
-
-    def __init__(self, message: str, name: str):
-        super().__init__(message)
-        self.name = name
 
 
 @dataclass(frozen=True)
@@ -117,17 +109,8 @@ class Settings:
         own = {k: v for k, v in given.items() if k not in sampling and k not in draft}
         if isinstance(own.get("stop"), (list, str)):
             own["stop"] = (own["stop"],) if isinstance(own["stop"], str) else tuple(own["stop"])
-        return dataclasses.replace(self, sampling=_sampling(self.sampling, sampling),
+        return dataclasses.replace(self, sampling=self.sampling.with_options(**sampling),
                                    draft=dataclasses.replace(self.draft, **draft), **own)
-
-
-def _sampling(params: SamplingParams, given: dict) -> SamplingParams:
-    for name, value in given.items():  # one at a time, so the error names its field
-        try:
-            params.with_options(**{name: value})
-        except EdgespecError as e:
-            raise SettingError(str(e), name) from e
-    return params.with_options(**given)
 
 
 SAMPLING_OPTIONS = (*SAMPLING_FIELDS, "seed")
