@@ -41,6 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import edgespec  # noqa: E402
+from edgespec.bench import prompt_ids  # noqa: E402
 from edgespec.export import fidelity  # noqa: E402
 from edgespec.sampling import SAMPLING_FIELDS, SamplingParams  # noqa: E402
 from benchmarks.plain_decode import pick_prompts  # noqa: E402
@@ -59,6 +60,7 @@ class Edgespec:
         return self.model.encode(text)
 
     def decode(self, ids, new_tokens, speculative, sampling=GREEDY):
+        self.model.forget()  # each run as a first request: no repeat copies its earlier reply
         g = self.model.generate_ids(ids, new_tokens, ignore_eos=not self.until_eos,
                                     mode="speculative" if speculative else "plain",
                                     **asdict(sampling))
@@ -341,8 +343,7 @@ def speeds(engines, modes, prompts, ours, sampling, args) -> list:
     """Per prompt, every mode's median decode tok/s over the repeats, its tokens and stats."""
     rows = []
     for n, prompt in enumerate(prompts, 1):
-        ids = (ours.model.codec.encode_chat(prompt["messages"]) if "messages" in prompt
-               else ours.encode(prompt["turns"][0]))
+        ids = prompt_ids(ours.model, prompt)
         runs = {mode: [] for mode in modes}
         for run in range(args.repeat):
             seeded = replace(sampling, seed=1000 * n + run)

@@ -21,7 +21,8 @@ def default_prompts() -> Path:
 
 
 def load_prompts(path=None, limit=None, per_category=None, categories=None) -> list:
-    """Rows of a Spec-Bench style JSONL file (question_id, category, turns)."""
+    """Rows of a Spec-Bench style JSONL file (question_id, category, and turns, whose first
+    is the user's message, or messages, a conversation to answer)."""
     path = Path(path) if path else default_prompts()
     try:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -29,8 +30,10 @@ def load_prompts(path=None, limit=None, per_category=None, categories=None) -> l
         raise EdgespecError(f"prompts file {path} does not exist") from None
     except json.JSONDecodeError as e:
         raise EdgespecError(f"{path} is not JSON lines ({e})") from e
-    if not all({"question_id", "category", "turns"} <= row.keys() for row in rows):
-        raise EdgespecError(f"{path}: every line needs question_id, category and turns")
+    if not all({"question_id", "category"} <= row.keys() and ("turns" in row or "messages" in row)
+               for row in rows):
+        raise EdgespecError(f"{path}: every line needs question_id, category and turns or "
+                            "messages")
     rows.sort(key=lambda row: row["question_id"])
     if categories:
         unknown = set(categories) - {row["category"] for row in rows}
@@ -47,11 +50,17 @@ def load_prompts(path=None, limit=None, per_category=None, categories=None) -> l
     return rows[:limit] if limit else rows
 
 
+def prompt_ids(model, row) -> list:
+    """A prompt row's token ids through the chat template."""
+    return (model.codec.encode_chat(row["messages"]) if "messages" in row
+            else model.encode(row["turns"][0]))
+
+
 def bench_prompt(model, row, settings, repeat=1) -> dict:
     """Plain and speculative decoding of one prompt with `settings` (Model.settings),
-    interleaved `repeat` times; the speeds are medians over the runs and `identical` holds
-    only if every run matched plain."""
-    ids = model.encode(row["turns"][0])
+    interleaved `repeat` times, each speculative run without earlier replies to copy; the
+    speeds are medians over the runs and `identical` holds only if every run matched plain."""
+    ids = prompt_ids(model, row)
     if settings.sampling.seed is None:
         settings = settings.with_options(seed=zlib.crc32(str(row["question_id"]).encode()))
     if len(ids) + settings.max_new_tokens >= model.engine.max_context:
@@ -61,6 +70,7 @@ def bench_prompt(model, row, settings, repeat=1) -> dict:
     plains, specs = [], []
     for _ in range(repeat):
         plains.append(model.generate_ids(ids, settings=settings.with_options(mode="plain")))
+        model.forget()  # a repeat must not copy its own earlier reply
         specs.append(model.generate_ids(ids, settings=settings.with_options(mode="speculative")))
     plain_speed = statistics.median(g.decode_tokens_per_s for g in plains)
     spec_speed = statistics.median(g.decode_tokens_per_s for g in specs)

@@ -177,8 +177,8 @@ def _draft_args(p):
                    help="stop drafting when the draft's top probability falls below this "
                    "(default: the artifact's, 0 is off)")
     p.add_argument("--lookup-k", type=int, default=None,
-                   help="the most prompt-lookup drafts per round, 0 for none (default: the "
-                   "artifact's)")
+                   help="the most lookup drafts per round (copied from the prompt, the reply "
+                   "or recent replies), 0 to 32, 0 for none (default: the artifact's)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose each round's k: lookup's from its expected tokens per "
                    "measured round cost, the early exit's from timing (paused while slower "

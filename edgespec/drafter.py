@@ -53,6 +53,10 @@ class Drafter:
     def observe(self, offer: Offer, drafted: int, accepted: int, seconds: float):
         """What the verifier accepted of the round's drafts, and the round's seconds."""
 
+    def forget(self):
+        """Drop what it keeps of earlier texts (their replies); what it measured of the
+        model (such as the early exit's timings) stays."""
+
 
 def average(mean, value):
     return value if mean is None else mean + SMOOTHING * (value - mean)

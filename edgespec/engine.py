@@ -33,7 +33,7 @@ from .artifact import MANIFEST, PAD_ROWS, Artifact
 from .errors import EdgespecError
 
 CHUNK = 256  # the most positions one call handles (prefill is cut into chunks)
-COST_ROWS = (1, 2, 3, 4, 6, 8)  # the rows of a round whose cost round_costs measures
+COST_ROWS = (1, 2, 3, 4, 6, 8, 16, 32)  # the rows of a round whose cost round_costs measures
 NUMPY_DTYPE = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
@@ -335,15 +335,16 @@ class Engine:
         return self.head(self.final_states, [0])[0]
 
     def round_costs(self, cached=200, repeat=15) -> dict:
-        """Median ms of one round through lower, upper and head on M rows, for M in COST_ROWS,
-        after `cached` positions: a verify of M - 1 drafts against a plain step (M = 1).
-        Leaves the cache empty."""
-        cached = min(cached, self.max_context - 2 * max(COST_ROWS))
-        ids = [i % self.vocab_size for i in range(cached + max(COST_ROWS))]
+        """Median ms of one round through lower, upper and head on M rows, for M in COST_ROWS
+        (those that fit twice in the context), after `cached` positions: a verify of M - 1
+        drafts against a plain step (M = 1). Leaves the cache empty."""
+        measured = [rows for rows in COST_ROWS if 2 * rows < self.max_context]
+        cached = min(cached, self.max_context - 2 * max(measured))
+        ids = [i % self.vocab_size for i in range(cached + max(measured))]
         self.reset()
         self.prefill(ids[:cached])
         costs = {}
-        for rows in COST_ROWS:
+        for rows in measured:
             times = []
             for _ in range(repeat):
                 start = time.perf_counter()

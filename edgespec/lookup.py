@@ -1,77 +1,124 @@
-"""Prompt lookup: propose the tokens that followed the longest earlier match of the history's end.
+"""Lookup drafting: propose the tokens that followed the longest earlier occurrence of the
+text's end, in this text (prompt and reply so far) or in replies the process made before.
 
-Outputs often copy their input (extraction, translation, summaries, code edits) or repeat
-themselves: when the last few tokens appeared before, in the prompt or the reply, the
-tokens after them are a free draft. Every n-gram of 1..MAX_NGRAM tokens is indexed with
-the tokens that followed it, so a round costs a few dictionary lookups, not a scan. A match
-says how far to trust it: its length, and whether its earlier occurrences agreed on what
-came next.
+Outputs often copy their input (code and text edits, answers quoting a document, extraction,
+rewrites) or an earlier output (an agent calling one tool with one schema turn after turn).
+Every n-gram of 1..MAX_NGRAM tokens is indexed with the tokens that followed it, so a round
+costs a few dictionary lookups, not a scan; the occurrence found is then compared backwards
+token by token, so a match knows its true length up to MAX_MATCH. A long match is a copy
+under way and earns a long draft; a short one, or one whose earlier occurrences were
+followed by different tokens, a short draft or none.
 
-Adaptive, lookup is planned rather than timed: the rate at which such matches' tokens were
-accepted (measured priors, refined by the text's own rounds) and the artifact's round cost
-by rows give each k's expected committed tokens per unit of cost; a round offers the best
-k, none when no k beats a plain step. Its drafts then depend on the text alone, not on
-clock noise. The index and the rates start afresh with each generation: lookup's worth is
-the text's.
+Adaptive, lookup is planned rather than timed: the rate at which matches of a length and
+kind were accepted (measured priors, refined by the text's own rounds) and the artifact's
+round cost by rows give each k's expected committed tokens per unit of cost; a round offers
+the best k, none when no k beats a plain step. Its drafts depend on the texts alone, not on
+clock noise. The rates start afresh with each text; the replies are remembered (the latest
+MEMORY_TOKENS tokens of them) for the texts after.
 """
+import itertools
+from collections import deque
 from dataclasses import dataclass
 
 from .drafter import Drafter, Offer
 
-MAX_NGRAM = 8
+MAX_NGRAM = 8          # the longest n-gram indexed
+MAX_MATCH = 64         # how far back a match is measured
+MEMORY_TOKENS = 16384  # earlier replies remembered, the oldest forgotten first
 
-# How often a match's next token was the verifier's, by match length (1..6 or more) and
-# kind, on the development prompts' greedy replies (see DESIGN.md). A draft's later tokens
-# count as a "single" match grown by the tokens before them.
-PRIOR = {"agreed": (.50, .78, .88, .90, .90, .97),
-         "single": (.29, .52, .61, .70, .73, .84),
-         "split": (.19, .28, .33, .33, .33, .50)}
-# The same when the verifier samples (a draft is accepted when the verifier draws it), made
-# monotone in the length where few matches were seen.
-PRIOR_SAMPLED = {"agreed": (.56, .72, .80, .80, .80, .80),
-                 "single": (.17, .31, .45, .50, .50, .72),
-                 "split": (.08, .10, .20, .20, .20, .20)}
-LONG_MATCH = 6       # matches this long or longer share one rate
+# Match lengths by bucket (a bucket holds lengths from its bound to the next one's).
+LENGTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
+# How often a match's next token was the verifier's, by length bucket and kind, on the
+# development prompts' greedy replies (benchmarks/lookup_priors.py; DESIGN.md). A draft's
+# later tokens count as a "single" match grown by the tokens before them.
+PRIOR = {"agreed": (.52, .74, .75, .88, .89, .89, .99, .99, .99, .99, .99),
+         "single": (.29, .48, .57, .68, .78, .78, .83, .89, .92, .94, .96),
+         "split": (.19, .25, .25, .25, .25, .27, .33, .33, .33, .33, .33)}
+# The same when the verifier samples with the default settings (a draft is accepted when
+# the verifier draws it).
+PRIOR_SAMPLED = {"agreed": (.50, .63, .63, .63, .63, .63, .63, .63, .63, .63, .63),
+                 "single": (.13, .24, .35, .49, .49, .65, .80, .80, .80, .80, .80),
+                 "split": (.07, .10, .23, .23, .23, .23, .23, .23, .23, .23, .23)}
 PRIOR_ROUNDS = 8     # drafts' worth of evidence each prior counts for
+
+
+def bucket(length: int) -> int:
+    """The index of the length bucket that holds `length` (>= 1)."""
+    return sum(length >= bound for bound in LENGTHS) - 1
 
 
 @dataclass(frozen=True)
 class Match:
-    length: int    # tokens at the history's end that occurred before
-    position: int  # where the chosen continuation starts in the history
-    kind: str      # "agreed": seen several times, always followed by the same token;
-    #                "single": seen once; "split": followed by different tokens
+    length: int    # tokens at the history's end that occurred before (at most MAX_MATCH)
+    text: list     # the text of that occurrence: this one, or a remembered reply
+    position: int  # where the chosen continuation starts in it
+    kind: str      # "agreed": its last MAX_NGRAM tokens (or fewer) were seen several times,
+    #                always followed by the same token; "single": seen once; "split":
+    #                followed by different tokens
 
-    def continuation(self, history: list, k: int) -> list:
-        """Up to k tokens of the history from the chosen continuation on: the drafts."""
-        return history[self.position:self.position + k]
+    def continuation(self, k: int) -> list:
+        """Up to k tokens of the text from the chosen continuation on: the drafts."""
+        return list(self.text[self.position:self.position + k])
 
 
 class NgramIndex:
-    def __init__(self, max_ngram: int = MAX_NGRAM):
-        self.max_ngram = max_ngram
-        self.index = {}  # n-gram -> {next token: [times seen, position of the latest]}
-        self.indexed = 0  # n-grams ending before this position are in the index
+    """Where each n-gram of some texts occurred, and which tokens followed it."""
+
+    def __init__(self):
+        self.index = {}  # n-gram -> {next token: [times seen, when last seen, text, position]}
+        self.clock = itertools.count()
+
+    def add(self, text: list, start: int, end: int):
+        """Index the n-grams of `text` that end at start..end-1 and have a token after them."""
+        for last in range(start, min(end, len(text) - 1)):
+            after, stamp = text[last + 1], next(self.clock)
+            for n in range(1, min(MAX_NGRAM, last + 1) + 1):
+                follow = self.index.setdefault(tuple(text[last + 1 - n:last + 1]), {})
+                seen = follow.get(after)
+                if seen is None:
+                    follow[after] = [1, stamp, text, last + 1]
+                else:
+                    seen[0] += 1
+                    seen[1:] = stamp, text, last + 1
 
     def match(self, history: list):
-        """The longest n-gram ending the history that occurred before (None if none), with
-        its most frequent continuation (the latest, among equally frequent ones)."""
-        last = len(history) - 1  # the newest n-grams end here: nothing follows them yet
-        for end in range(self.indexed, last):
-            after = history[end + 1]
-            for n in range(1, min(self.max_ngram, end + 1) + 1):
-                follow = self.index.setdefault(tuple(history[end + 1 - n:end + 1]), {})
-                seen = follow.setdefault(after, [0, 0])
-                seen[0] += 1
-                seen[1] = end + 1
-        self.indexed = max(self.indexed, last)
-        for n in range(min(self.max_ngram, len(history)), 0, -1):
+        """The longest occurrence of the history's end (None if none), with its n-gram's
+        most frequent continuation (the latest, among equally frequent ones)."""
+        for n in range(min(MAX_NGRAM, len(history)), 0, -1):
             follow = self.index.get(tuple(history[-n:]))
             if follow:
-                count, position = max(follow.values())
+                count, _, text, position = max(follow.values(), key=lambda s: s[:2])
                 kind = "split" if len(follow) > 1 else "agreed" if count > 1 else "single"
-                return Match(n, position, kind)
+                return Match(n + _agree_back(history, text, position, n), text, position, kind)
         return None
+
+
+def _agree_back(history, text, position, n) -> int:
+    """How many tokens before the matched n-gram also agree (the match's true length - n)."""
+    more, most = 0, min(MAX_MATCH, len(history), position) - n
+    while more < most and history[-n - 1 - more] == text[position - n - 1 - more]:
+        more += 1
+    return more
+
+
+class Memory:
+    """Earlier replies, indexed; the oldest are forgotten beyond MEMORY_TOKENS."""
+
+    def __init__(self):
+        self.replies, self.tokens, self.index = deque(), 0, NgramIndex()
+
+    def remember(self, reply: list):
+        if len(reply) < 2:
+            return
+        self.replies.append(reply)
+        self.tokens += len(reply)
+        self.index.add(reply, 0, len(reply))
+        if self.tokens > MEMORY_TOKENS:  # forget the older half at once: one re-index
+            while self.tokens > MEMORY_TOKENS // 2:
+                self.tokens -= len(self.replies.popleft())
+            self.index = NgramIndex()
+            for kept in self.replies:
+                self.index.add(kept, 0, len(kept))
 
 
 class PromptLookup(Drafter):
@@ -80,37 +127,51 @@ class PromptLookup(Drafter):
     def __init__(self, engine, pace, k_max: int, adaptive: bool = False):
         self.engine, self.k_max, self.adaptive = engine, k_max, adaptive
         self.cost = pace.costs(k_max + 1)
+        self.forget()
         self.new_text()
 
     @classmethod
     def from_policy(cls, policy, engine, pace):
         return cls(engine, pace, policy.lookup_k, policy.adaptive) if policy.lookup_k else None
 
+    def forget(self):
+        self.memory = Memory()
+        self.text, self.prompt_len = [], None
+
     def new_text(self, sampled: bool = False):
+        if self.prompt_len is not None:
+            self.memory.remember(self.text[self.prompt_len:])
+        self.text, self.prompt_len = [], None  # our own copy: the caller's list may change
         self.index = NgramIndex()
         self.hits, self.tries = {}, {}
         self.prior = PRIOR_SAMPLED if sampled else PRIOR
 
     def offer(self, history, budget):
-        match = self.index.match(history)
+        if self.prompt_len is None:
+            self.prompt_len = len(history) - 1  # the first offer follows the first token
+        indexed = len(self.text)
+        self.text.extend(history[indexed:])
+        self.index.add(self.text, max(0, indexed - 1), len(self.text))
+        match = max((m for m in (self.index.match(self.text), self.memory.index.match(self.text))
+                     if m), key=lambda m: m.length, default=None)  # ties: this text's
         if match is None:
             return None
-        budget = min(budget, self.k_max, len(history) - match.position)
+        budget = min(budget, self.k_max, len(match.text) - match.position)
         if not self.adaptive:
             return Offer(self, budget, plan=(match, [])) if budget else None
         return self.plan(match, budget)
 
     def rate(self, key) -> float:
         """How often such a draft token was accepted: the prior, then this text's rounds."""
-        length, kind = key
-        prior = self.prior[kind][length - 1]
+        length_bucket, kind = key
+        prior = self.prior[kind][length_bucket]
         return (self.hits.get(key, 0) + PRIOR_ROUNDS * prior) / \
             (self.tries.get(key, 0) + PRIOR_ROUNDS)
 
     def plan(self, match: Match, budget: int):
         """The offer of the k with the most expected committed tokens per unit of cost,
         None when none earns more than a plain step (1 token a step)."""
-        keys = [(min(match.length + i, LONG_MATCH), match.kind if i == 0 else "single")
+        keys = [(bucket(min(match.length + i, MAX_MATCH)), match.kind if i == 0 else "single")
                 for i in range(budget)]
         best_k, best, expected, chain = 0, 1.0, 1.0, 1.0
         for k, key in enumerate(keys, 1):
@@ -122,7 +183,7 @@ class PromptLookup(Drafter):
 
     def draft(self, offer, history, sampler, timer):
         match, _ = offer.plan
-        drafts = match.continuation(history, offer.k)
+        drafts = match.continuation(offer.k)
         self.engine.lower([history[-1]] + drafts)  # one run for the token and its drafts
         timer.charge("draft")
         return drafts

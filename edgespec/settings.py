@@ -12,7 +12,7 @@ from .sampling import SAMPLING_FIELDS, SamplingParams
 
 MODES = ("speculative", "plain")
 MAX_STOPS, MAX_STOP_CHARS = 4, 1000  # stop strings cost per character of reply and of stop
-MAX_DRAFT_K = 16
+MAX_DRAFT_K = 32
 
 
 def _flag(name):

@@ -26,7 +26,7 @@ MEASURE_TOKENS = 96
 TRAIN_TOKENS = 128
 EXIT_FRACTIONS = (0.25, 0.5, 0.75)  # exit layer candidates, as fractions of the depth
 K_CANDIDATES = (1, 2, 3, 4)
-LOOKUP_K = 12  # the most; each round's k comes from the plan (edgespec/lookup.py)
+LOOKUP_K = 32  # the most; each round's k comes from the plan (edgespec/lookup.py)
 THRESHOLDS = (0.0, 0.3, 0.6)
 SHORTLIST_COVERAGE = (0.95, 0.99)  # of the calibration replies' tokens
 MIN_COUNT_REPLIES = 48  # replies collected only to count tokens, for a given shortlist size
@@ -108,6 +108,7 @@ def measure(artifact_dir, policies: list, prompts: list, log=print) -> list:
             ids = model.encode(prompt)
             plain = model.generate_ids(ids, MEASURE_TOKENS, mode="plain", temperature=0)
             for i, policy in enumerate(policies):
+                model.forget()  # no policy copies the reply an earlier one made
                 spec = model.generate_ids(ids, MEASURE_TOKENS, temperature=0, **policy)
                 ratios[i].append(spec.decode_tokens_per_s / plain.decode_tokens_per_s)
                 rounds[i][0] += spec.stats.rounds

@@ -1,11 +1,13 @@
 """`edgespec bench` end to end on the tiny model, and its prompt selection."""
 import json
+from pathlib import Path
 
 import pytest
 from helpers import one_error_line, run_cli
 
 import edgespec
-from edgespec.bench import load_prompts
+from edgespec.bench import bench_prompt, load_prompts, prompt_ids
+from edgespec.engine import COST_ROWS
 from edgespec.errors import EdgespecError
 
 PROMPT_FIELDS = {"question_id", "category", "plain_tokens_per_s", "spec_tokens_per_s",
@@ -26,7 +28,7 @@ def test_bench_writes_table_json_and_plot(tiny_int4, tmp_path):
     assert report["summary"]["overall"]["prompts"] == 2 and report["settings"]["draft_policy"]["draft_k"] == 3
     assert png.read_bytes()[:4] == b"\x89PNG"
     costs = report["round_ms"]  # JSON keys are strings
-    assert sorted(map(int, costs)) == [1, 2, 3, 4, 6, 8] and all(ms > 0 for ms in costs.values())
+    assert tuple(sorted(map(int, costs))) == COST_ROWS and all(ms > 0 for ms in costs.values())
     assert "round cost by rows (ms; x a plain step): 1: " in result.stdout
     # the drafter line adds up the prompts' own counts
     exits = [p["drafters"]["exit"] for p in report["prompts"]]
@@ -39,7 +41,7 @@ def test_round_costs_leave_the_cache_empty_and_the_model_deterministic(tiny_int4
     model = edgespec.load(tiny_int4)
     before = model.generate_ids([5, 6, 7, 8], max_new_tokens=12).tokens
     costs = model.engine.round_costs(repeat=2)
-    assert list(costs) == [1, 2, 3, 4, 6, 8]
+    assert tuple(costs) == COST_ROWS
     assert model.engine.lower_len == model.engine.upper_len == 0
     assert model.generate_ids([5, 6, 7, 8], max_new_tokens=12).tokens == before
 
@@ -52,6 +54,19 @@ def test_per_category_takes_the_lowest_question_ids(tmp_path):
     assert [(r["category"], r["question_id"]) for r in picked] == [("a", 2), ("a", 4),
                                                                    ("b", 5), ("b", 7)]
     assert len(load_prompts(path, limit=3)) == 3
+
+
+def test_the_workload_prompts_bench_conversations_through_the_chat_template(tiny_int4):
+    path = Path(__file__).parent.parent / "benchmarks" / "data" / "workloads.jsonl"
+    rows = load_prompts(path)
+    kinds = {"code_edit", "text_edit", "doc_answer", "extraction", "summary", "rewrite",
+             "agent_loop"}
+    assert {row["category"] for row in rows} == kinds
+    model = edgespec.load(tiny_int4)
+    agent = next(row for row in rows if "messages" in row)
+    assert prompt_ids(model, agent) == model.codec.encode_chat(agent["messages"])
+    result = bench_prompt(model, agent, model.settings(max_new_tokens=8, temperature=0))
+    assert result["identical"] and result["n_prompt"] == len(prompt_ids(model, agent))
 
 
 def test_the_built_in_prompt_set_covers_the_categories():

@@ -5,40 +5,83 @@ import pytest
 from edgespec.decoder import best_offer
 from edgespec.drafter import PROBE_STEPS, Pace, costs_by_rows
 from edgespec.early_exit import FIRST_PAUSE, START_K, TRIAL_ROUNDS, EarlyExit
-from edgespec.lookup import PRIOR, Match, NgramIndex, PromptLookup
+from edgespec.lookup import (MAX_MATCH, MAX_NGRAM, MEMORY_TOKENS, PRIOR, Match, NgramIndex,
+                             PromptLookup)
 
 
-def proposal(history, k, index=None):
+def indexed(history):
+    index = NgramIndex()
+    index.add(history, 0, len(history))
+    return index
+
+
+def found(history):
+    return indexed(history).match(history)
+
+
+def proposal(history, k):
     """What a lookup round would draft: up to k tokens of the match's continuation."""
-    match = (index or NgramIndex()).match(history)
-    return match.continuation(history, k) if match else []
+    match = found(history)
+    return match.continuation(k) if match else []
+
+
+def match(length, kind):
+    return Match(length, [], 0, kind)
 
 
 def test_lookup_proposes_what_followed_the_longest_match():
     history = [1, 2, 3, 4, 5, 9, 2, 3]
     assert proposal(history, k=2) == [4, 5]
     history = [7, 3, 4, 1, 8, 3, 4, 2, 5, 7, 3, 4]
-    assert NgramIndex().match(history) == Match(3, 3, "single")  # "7 3 4" beats "3 4"
+    assert found(history) == Match(3, history, 3, "single")  # "7 3 4" beats "3 4"
     assert proposal(history, k=3) == [1, 8, 3]
 
 
 def test_lookup_takes_the_most_frequent_continuation_then_the_latest():
     history = [3, 1, 8, 3, 1, 9, 7, 3, 1, 8, 6, 3, 1]
-    assert NgramIndex().match(history) == Match(2, 9, "split")  # "3 1" -> 8 twice, 9 once
+    assert found(history) == Match(2, history, 9, "split")  # "3 1" -> 8 twice, 9 once
     assert proposal([3, 4, 1, 3, 4, 2, 3, 4], k=1) == [2]  # a tie: the latest
 
 
 def test_lookup_says_whether_earlier_occurrences_agreed():
-    assert NgramIndex().match([1, 5, 6, 7, 2, 5, 6, 7, 3, 5, 6]) == Match(2, 7, "agreed")
-    assert NgramIndex().match([5, 6, 7, 8, 5, 6]).kind == "single"
-    assert NgramIndex().match([9, 1, 9]) == Match(1, 1, "single")  # a lone repeated token
+    history = [1, 5, 6, 7, 2, 5, 6, 7, 3, 5, 6]
+    assert found(history) == Match(2, history, 7, "agreed")
+    assert found([5, 6, 7, 8, 5, 6]).kind == "single"
+    assert found([9, 1, 9]) == Match(1, [9, 1, 9], 1, "single")  # a lone repeated token
+
+
+def test_a_match_knows_its_true_length_past_the_indexed_ngrams():
+    copied = list(range(100, 100 + MAX_NGRAM + 5))
+    history = copied + [1, 2, 3] + copied
+    assert found(history[:-2]).length == MAX_NGRAM + 3  # "... 1 2 3" differs before that
+    long_copy = list(range(200, 200 + MAX_MATCH + 20)) + [7]
+    history = long_copy + long_copy[:-1]
+    assert found(history) == Match(MAX_MATCH, history, len(long_copy) - 1, "single")
 
 
 def test_lookup_proposes_nothing_without_a_match_and_grows_with_the_history():
-    lookup, history = NgramIndex(), [1, 2, 3, 4]
-    assert lookup.match(history) is None and proposal(history, 4, lookup) == []
+    index, history = NgramIndex(), [1, 2, 3, 4]
+    index.add(history, 0, 4)
+    assert index.match(history) is None
     history += [5, 1, 2]
-    assert proposal(history, 4, lookup) == [3, 4, 5, 1]
+    index.add(history, 3, len(history))
+    assert index.match(history).continuation(4) == [3, 4, 5, 1]
+
+
+def test_lookup_drafts_from_replies_of_earlier_texts_and_forgets_the_oldest():
+    drafter = lookup(FREE_ROWS, k_max=8)
+    reply = [50, 51, 52, 53, 54, 55, 56, 57, 58]
+    prompt = [1, 2, 3]
+    for n in range(1, len(reply) + 1):  # the decode loop offers after each committed token
+        drafter.offer(prompt + reply[:n], budget=8)
+    drafter.new_text()
+    offer = drafter.offer([4, 5, 50, 51, 52], budget=8)  # a new prompt, the reply's start
+    assert offer.plan[0].continuation(offer.k) == [53, 54, 55, 56, 57, 58]
+    filler = list(range(1000, 1000 + MEMORY_TOKENS))  # a reply as long as the memory
+    for n in (1, len(filler)):
+        drafter.offer([9] + filler[:n], budget=8)
+    drafter.new_text()
+    assert drafter.offer([4, 5, 50, 51, 52], budget=8) is None  # the oldest reply forgotten
 
 
 def test_round_costs_are_interpolated_and_extended_past_the_measured_rows():
@@ -58,12 +101,12 @@ def lookup_k(drafter, match, budget):
     return offer.k if offer else 0
 
 
-FREE_ROWS = {"1": 1.0, "16": 1.0}
+FREE_ROWS = {"1": 1.0, "64": 1.0}
 DEAR_ROWS = {"1": 1.0, "2": 2.0}  # every row costs a plain step: no draft can pay
 
 
 def test_lookup_drafts_as_far_as_free_rows_allow_and_not_when_rows_cost_a_step():
-    long_match = Match(6, 0, "agreed")
+    long_match = match(6, "agreed")
     assert lookup_k(lookup(FREE_ROWS), long_match, budget=5) == 5
     assert lookup_k(lookup(FREE_ROWS), long_match, budget=50) == 8  # the policy's most
     assert lookup_k(lookup(DEAR_ROWS), long_match, budget=5) == 0
@@ -74,27 +117,36 @@ CPU_ROWS = {"1": 1.0, "2": 1.25, "3": 1.45, "4": 1.65, "6": 2.05, "8": 2.45}
 
 
 def test_longer_and_agreed_matches_earn_longer_drafts():
-    ks = [lookup_k(lookup(CPU_ROWS), Match(n, 0, kind), budget=8)
+    ks = [lookup_k(lookup(CPU_ROWS), match(n, kind), budget=8)
           for n, kind in ((1, "split"), (2, "single"), (6, "single"), (6, "agreed"))]
     assert ks == sorted(ks) and ks[0] == 0 and ks[-1] > ks[1]
     assert PRIOR["agreed"][0] > PRIOR["single"][0] > PRIOR["split"][0]
 
 
+def test_a_copy_under_way_earns_longer_drafts_and_longer_still_while_accepted():
+    drafter, copy = lookup(CPU_ROWS, k_max=32), match(MAX_MATCH, "single")
+    assert lookup_k(drafter, match(6, "single"), budget=32) < lookup_k(drafter, copy, budget=32)
+    for _ in range(10):  # every draft of the copy is accepted
+        offer = drafter.plan(copy, 32)
+        drafter.observe(offer, offer.k, offer.k, 1.0)
+    assert lookup_k(drafter, copy, budget=32) == 32
+
+
 def test_lookup_learns_from_the_texts_rounds_and_forgets_with_a_new_prompt():
-    drafter, match = lookup(CPU_ROWS), Match(3, 0, "single")
-    first = lookup_k(drafter, match, budget=8)
+    drafter, short = lookup(CPU_ROWS), match(3, "single")
+    first = lookup_k(drafter, short, budget=8)
     assert first > 0
     for _ in range(20):  # every draft of such matches is rejected
-        offer = drafter.plan(match, 8)
+        offer = drafter.plan(short, 8)
         if offer:
             drafter.observe(offer, offer.k, 0, 1.0)
-    assert lookup_k(drafter, match, budget=8) == 0
+    assert lookup_k(drafter, short, budget=8) == 0
     drafter.new_text()
-    assert lookup_k(drafter, match, budget=8) == first
+    assert lookup_k(drafter, short, budget=8) == first
 
 
 def test_a_sampled_text_plans_lookup_with_the_lower_rates_of_sampled_acceptance():
-    matches = [Match(n, 0, kind) for n in (1, 2, 4, 6) for kind in ("agreed", "single", "split")]
+    matches = [match(n, kind) for n in (1, 2, 4, 6) for kind in ("agreed", "single", "split")]
     greedy = [lookup_k(lookup(CPU_ROWS), m, budget=8) for m in matches]
     sampled = [lookup_k(lookup(CPU_ROWS, sampled=True), m, budget=8) for m in matches]
     assert all(s <= g for s, g in zip(sampled, greedy)) and sum(sampled) < sum(greedy)
@@ -107,7 +159,7 @@ def test_a_fixed_policy_drafts_what_lookup_found_up_to_k():
     assert drafter.offer(history, budget=8).k == 2
     assert drafter.offer(history, budget=1).k == 1
     offer = drafter.offer(history, budget=8)
-    assert offer.plan[0].continuation(history, offer.k) == [4, 1]
+    assert offer.plan[0].continuation(offer.k) == [4, 1]
 
 
 def early_exit(k_max=4, adaptive=True):
@@ -188,4 +240,5 @@ def test_lookup_leaves_a_round_to_an_early_exit_that_earns_more():
     run_rounds(exit_, plain_s=1.0, round_s=1.5, tokens=3, rounds=PROBE_STEPS + 2)
     assert exit_.offer(weak, 8) is not None  # 2 tokens a plain step's time: it earns 2x
     assert best_offer([look, exit_], weak, 8).drafter is exit_
+    look.new_text()
     assert best_offer([look, exit_], sure, 8).drafter is look  # a sure copy earns more still

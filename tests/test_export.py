@@ -11,8 +11,10 @@ from transformers import AutoModelForCausalLM
 import edgespec
 import edgespec.export.graph
 import edgespec.export.quantize
+from edgespec.engine import COST_ROWS
 from edgespec.errors import EdgespecError
 from edgespec.export import fidelity
+from edgespec.export.calibrate import LOOKUP_K
 from edgespec.export.pipeline import export_model
 from edgespec.export.quantize import (BLOCK, dequantize_int4, dequantize_int8,
                                       quantize_int4, quantize_int8)
@@ -208,10 +210,10 @@ def test_export_measures_quality_against_the_full_precision_model(tiny_fp32, tin
 
 def test_an_uncalibrated_export_ships_the_adaptive_policy_with_prompt_lookup(tiny_int4):
     manifest = json.loads((tiny_int4 / "manifest.json").read_text())
-    assert manifest["draft"] == {"k": 4, "threshold": 0.0, "lookup_k": 12, "adaptive": True}
+    assert manifest["draft"] == {"k": 4, "threshold": 0.0, "lookup_k": LOOKUP_K, "adaptive": True}
     # what a verify costs by rows, measured on this machine, plans lookup's drafts
     costs = manifest["round_costs"]
-    assert costs["1"] == 1.0 and set(costs) == {"1", "2", "3", "4", "6", "8"}
+    assert costs["1"] == 1.0 and set(costs) == {str(rows) for rows in COST_ROWS}
     assert all(cost > 0 for cost in costs.values())
 
 

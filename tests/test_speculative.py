@@ -72,6 +72,23 @@ def test_greedy_equality_holds_with_prompt_lookup_drafts(tiny_model, draft_k, lo
     assert looked_up > 0
 
 
+def test_lookup_copies_an_earlier_reply_until_the_model_forgets_it(tiny_model):
+    # the same prompt again: lookup drafts the reply it remembers, and the verifier takes it
+    ids, options = prompt(7), dict(draft_k=0, lookup_k=16, adaptive=True)
+    plain = tiny_model.generate_ids(ids, 60, mode="plain").tokens
+    tiny_model.forget()
+    first = tiny_model.generate_ids(ids, 60, **options)
+    again = tiny_model.generate_ids(ids, 60, **options)
+    tiny_model.forget()
+    forgotten = tiny_model.generate_ids(ids, 60, **options)
+    assert first.tokens == again.tokens == forgotten.tokens == plain
+    lookup = [g.stats.drafters["lookup"] for g in (first, again, forgotten)]
+    # without the memory a run repeats the first's rounds exactly (lookup is planned, not
+    # timed); with it, the remembered reply is drafted and taken in fewer, longer rounds
+    assert (lookup[2].drafted, lookup[2].accepted) == (lookup[0].drafted, lookup[0].accepted)
+    assert lookup[1].accepted > lookup[0].accepted and again.stats.rounds < first.stats.rounds
+
+
 def test_greedy_equality_holds_under_the_adaptive_scheduler(tiny_model):
     plain_steps, drafted = [], 0
     for seed in range(4):  # the same drafters for all four: their records carry over
@@ -230,7 +247,7 @@ def test_statistics_count_rounds_drafts_and_acceptance(tiny_model):
 
 @pytest.mark.parametrize("options, message", [
     (dict(draft_k=-1), "invalid draft-k"), (dict(draft_k=99), "invalid draft-k"),
-    (dict(lookup_k=17), "invalid lookup-k"),
+    (dict(lookup_k=33), "invalid lookup-k"),
     (dict(draft_threshold=1.5), "invalid draft-threshold"),
 ])
 def test_invalid_draft_options_are_refused(tiny_model, options, message):
