@@ -25,6 +25,7 @@ from .drafter import Drafter, Offer
 MAX_NGRAM = 8          # the longest n-gram indexed
 MAX_MATCH = 64         # how far back a match is measured
 MEMORY_TOKENS = 16384  # earlier replies remembered, the oldest forgotten first
+MEMORY_NGRAM = 4       # the one n-gram size they are indexed by (a match there is no shorter)
 
 # Match lengths by bucket (a bucket holds lengths from its bound to the next one's).
 LENGTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
@@ -62,9 +63,10 @@ class Match:
 
 
 class NgramIndex:
-    """Where each n-gram of some texts occurred, and which tokens followed it."""
+    """Where each n-gram of some texts occurred (n in `sizes`), and which tokens followed it."""
 
-    def __init__(self):
+    def __init__(self, sizes=range(1, MAX_NGRAM + 1)):
+        self.sizes = sorted(sizes, reverse=True)
         self.index = {}  # n-gram -> {next token: [times seen, when last seen, text, position]}
         self.clock = itertools.count()
 
@@ -72,7 +74,7 @@ class NgramIndex:
         """Index the n-grams of `text` that end at start..end-1 and have a token after them."""
         for last in range(start, min(end, len(text) - 1)):
             after, stamp = text[last + 1], next(self.clock)
-            for n in range(1, min(MAX_NGRAM, last + 1) + 1):
+            for n in (n for n in self.sizes if n <= last + 1):
                 follow = self.index.setdefault(tuple(text[last + 1 - n:last + 1]), {})
                 seen = follow.get(after)
                 if seen is None:
@@ -84,7 +86,7 @@ class NgramIndex:
     def match(self, history: list):
         """The longest occurrence of the history's end (None if none), with its n-gram's
         most frequent continuation (the latest, among equally frequent ones)."""
-        for n in range(min(MAX_NGRAM, len(history)), 0, -1):
+        for n in (n for n in self.sizes if n <= len(history)):
             follow = self.index.get(tuple(history[-n:]))
             if follow:
                 count, _, text, position = max(follow.values(), key=lambda s: s[:2])
@@ -102,10 +104,11 @@ def _agree_back(history, text, position, n) -> int:
 
 
 class Memory:
-    """Earlier replies, indexed; the oldest are forgotten beyond MEMORY_TOKENS."""
+    """Earlier replies, indexed by one n-gram size (a few bytes a token, not the text's
+    every size); the oldest are forgotten beyond MEMORY_TOKENS."""
 
     def __init__(self):
-        self.replies, self.tokens, self.index = deque(), 0, NgramIndex()
+        self.replies, self.tokens, self.index = deque(), 0, NgramIndex((MEMORY_NGRAM,))
 
     def remember(self, reply: list):
         if len(reply) < 2:
@@ -116,7 +119,7 @@ class Memory:
         if self.tokens > MEMORY_TOKENS:  # forget the older half at once: one re-index
             while self.tokens > MEMORY_TOKENS // 2:
                 self.tokens -= len(self.replies.popleft())
-            self.index = NgramIndex()
+            self.index = NgramIndex((MEMORY_NGRAM,))
             for kept in self.replies:
                 self.index.add(kept, 0, len(kept))
 

@@ -75,13 +75,13 @@ def test_lookup_drafts_from_replies_of_earlier_texts_and_forgets_the_oldest():
     for n in range(1, len(reply) + 1):  # the decode loop offers after each committed token
         drafter.offer(prompt + reply[:n], budget=8)
     drafter.new_text()
-    offer = drafter.offer([4, 5, 50, 51, 52], budget=8)  # a new prompt, the reply's start
-    assert offer.plan[0].continuation(offer.k) == [53, 54, 55, 56, 57, 58]
+    offer = drafter.offer([4, 5, 50, 51, 52, 53], budget=8)  # a new prompt, the reply's start
+    assert offer.plan[0].continuation(offer.k) == [54, 55, 56, 57, 58]
     filler = list(range(1000, 1000 + MEMORY_TOKENS))  # a reply as long as the memory
     for n in (1, len(filler)):
         drafter.offer([9] + filler[:n], budget=8)
     drafter.new_text()
-    assert drafter.offer([4, 5, 50, 51, 52], budget=8) is None  # the oldest reply forgotten
+    assert drafter.offer([4, 5, 50, 51, 52, 53], budget=8) is None  # the oldest forgotten
 
 
 def test_round_costs_are_interpolated_and_extended_past_the_measured_rows():
