@@ -263,18 +263,17 @@ def genai_quality(artifact, genai):
 
 def load_source(manifest):
     """The model an artifact was exported from, in float32 (transformers)."""
-    from edgespec.export.source import load_source
-    origin = manifest["source"]["model"]
-    return load_source(None if origin.startswith("bundled:") else origin)
+    from edgespec.export.source import load_source, model_argument
+    return load_source(model_argument(manifest["source"]["model"]))
 
 
 def source_gguf(manifest) -> Path:
     """The GGUF an artifact was exported from (llama.cpp runs it as it is)."""
-    from edgespec.export.source import default_model_path
-    origin = manifest["source"]["model"]
-    gguf = default_model_path() if origin.startswith("bundled:") else Path(origin)
+    from edgespec.export.source import default_model_path, model_argument
+    given = model_argument(manifest["source"]["model"])
+    gguf = Path(given) if given else default_model_path()
     if gguf.suffix != ".gguf":
-        raise SystemExit(f"llama.cpp needs a GGUF source; {origin} is not one")
+        raise SystemExit(f"llama.cpp needs a GGUF source; {gguf} is not one")
     return gguf
 
 

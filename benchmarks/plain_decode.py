@@ -57,9 +57,9 @@ def main():
 
     import edgespec
     model = edgespec.load(args.artifact, threads=args.threads, verify=False)
+    from edgespec.export.source import model_argument
     reference = None if args.no_transformers else transformers_reference(
-        None if model.artifact.manifest["source"]["model"].startswith("bundled:")
-        else model.artifact.manifest["source"]["model"], args.threads)
+        model_argument(model.artifact.manifest["source"]["model"]), args.threads)
     model.generate("warm up", max_new_tokens=8, mode="plain")
     ours, theirs = [], []
     print(f"{'id':>4} {'category':15} {'prompt':>6} {'new':>4} {'edgespec':>9} {'transformers':>12}")

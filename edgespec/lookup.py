@@ -48,6 +48,9 @@ def bucket(length: int) -> int:
     return sum(length >= bound for bound in LENGTHS) - 1
 
 
+BUCKET = tuple(bucket(length) if length else 0 for length in range(MAX_MATCH + 1))  # by length
+
+
 @dataclass(frozen=True)
 class Match:
     length: int    # tokens at the history's end that occurred before (at most MAX_MATCH)
@@ -59,7 +62,7 @@ class Match:
 
     def continuation(self, k: int) -> list:
         """Up to k tokens of the text from the chosen continuation on: the drafts."""
-        return list(self.text[self.position:self.position + k])
+        return self.text[self.position:self.position + k]
 
 
 class NgramIndex:
@@ -174,7 +177,7 @@ class PromptLookup(Drafter):
     def plan(self, match: Match, budget: int):
         """The offer of the k with the most expected committed tokens per unit of cost,
         None when none earns more than a plain step (1 token a step)."""
-        keys = [(bucket(min(match.length + i, MAX_MATCH)), match.kind if i == 0 else "single")
+        keys = [(BUCKET[min(match.length + i, MAX_MATCH)], match.kind if i == 0 else "single")
                 for i in range(budget)]
         best_k, best, expected, chain = 0, 1.0, 1.0, 1.0
         for k, key in enumerate(keys, 1):

