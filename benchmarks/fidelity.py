@@ -13,9 +13,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import edgespec  # noqa: E402
 from edgespec.export import fidelity  # noqa: E402
-from benchmarks.peers import LlamaCpp, PeerAnswers, load_source, source_gguf  # noqa: E402
+from benchmarks.peers import Edgespec, LlamaCpp, judge_fidelity, source_gguf  # noqa: E402
 
 
 def main():
@@ -26,27 +25,11 @@ def main():
     p.add_argument("--llama-cpp", action="store_true", help="also judge llama.cpp on the GGUF")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    models = [edgespec.load(path, threads=args.threads) for path in args.artifacts]
-    first = models[0]
-    manifest = first.artifact.manifest
-    rows = fidelity.questions(args.questions)
-    prompts = [first.encode(row["question"]) for row in rows]
-    stop_ids = set(first.stop_ids)
-    references = fidelity.reference_replies(load_source(manifest).torch_model, prompts, stop_ids)
-    decode = first.codec.decode
-    n_right = sum(fidelity.is_right(decode(r), row["answer"]) for r, row in zip(references, rows))
-    print(f"{len(rows)} questions; float32 reference right on {n_right}/{len(rows)}")
-    engines = [(path, fidelity.ArtifactAnswers(m)) for path, m in zip(args.artifacts, models)]
+    engines = {path: Edgespec(path, args.threads) for path in args.artifacts}
+    first = engines[args.artifacts[0]].model
     if args.llama_cpp:
-        llama = LlamaCpp(source_gguf(manifest), args.threads)
-        engines.append(("llama.cpp", PeerAnswers(llama, stop_ids)))
-    print("| engine | first 16 tokens equal | right | teacher-forced top-1 | greedy tok/s |")
-    print("|---|---|---|---|---|")
-    n = len(rows)
-    for name, engine in engines:
-        r = fidelity.judge(engine, rows, prompts, references, decode)
-        print(f"| {name} | {r['first16_equal']}/{n} | {r['right']}/{n} | {r['top1_agreement']} "
-              f"| {r['decode_tokens_per_s']} |", flush=True)
+        engines["llama.cpp"] = LlamaCpp(source_gguf(first.artifact.manifest), args.threads)
+    judge_fidelity(first, first.artifact.manifest, engines, args.questions)
 
 
 if __name__ == "__main__":

@@ -361,10 +361,10 @@ def speeds(engines, modes, prompts, ours, sampling, args) -> list:
     return rows
 
 
-def judge_fidelity(model, manifest, engines) -> dict:
-    """Export's fidelity gate for each engine, against the float32 source's greedy replies
-    (edgespec's plain greedy; its speculative output is the same tokens)."""
-    rows = fidelity.questions()
+def judge_fidelity(model, manifest, engines, questions=fidelity.QUESTIONS) -> dict:
+    """Export's fidelity gate for each engine (anything with answers(stop_ids)), against the
+    float32 source's greedy replies; `model` (an edgespec Model) tokenizes the questions."""
+    rows = fidelity.questions(questions)
     prompts = [model.encode(row["question"]) for row in rows]
     stop_ids = set(model.stop_ids)
     references = fidelity.reference_replies(load_source(manifest).torch_model, prompts, stop_ids)
@@ -373,12 +373,13 @@ def judge_fidelity(model, manifest, engines) -> dict:
     right = sum(fidelity.is_right(decode(r), row["answer"]) for r, row in zip(references, rows))
     print(f"\nfidelity: {n} questions, {fidelity.REPLY_TOKENS} greedy tokens; the float32 "
           f"reference is right on {right}/{n}")
-    print("| engine | first 16 tokens equal | right | teacher-forced top-1 |\n|---|---|---|---|")
+    print("| engine | first 16 tokens equal | right | teacher-forced top-1 | greedy tok/s |\n"
+          "|---|---|---|---|---|")
     results = {}
     for name, engine in engines.items():
         r = fidelity.judge(engine.answers(stop_ids), rows, prompts, references, decode)
         print(f"| {name} | {r['first16_equal']}/{n} | {r['right']}/{n} | "
-              f"{r['top1_agreement']} |", flush=True)
+              f"{r['top1_agreement']} | {r['decode_tokens_per_s']} |", flush=True)
         results[name] = r
     return {"reference_right": right, **results}
 
