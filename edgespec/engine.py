@@ -22,6 +22,7 @@ the call's total length; for head_dim > 128 (Gemma 3) a call is cut where that c
 The optional draft graph (exit adapter and shortlisted head) reads exit states too and has
 its own KV cache; it only proposes tokens, so its numerics never touch the output.
 """
+import functools
 import statistics
 import time
 
@@ -31,6 +32,7 @@ from onnxruntime.capi import _pybind_state as ort_state
 
 from .artifact import MANIFEST, PAD_ROWS, Artifact
 from .errors import EdgespecError
+from .top_logits import TopLogits
 
 CHUNK = 256  # the most positions one call handles (prefill is cut into chunks)
 COST_ROWS = (1, 2, 3, 4, 6, 8, 16, 32)  # the rows of a round whose cost round_costs measures
@@ -164,6 +166,11 @@ class Engine:
         if "draft" in self.sessions:
             self._draft_logits = np.full(self.vocab_size, -np.inf, np.float32)  # -inf: not
             # in the shortlist, so never drafted
+
+    @functools.cached_property
+    def top_logits(self) -> TopLogits:
+        """Finds the largest logits of a row of head's output, for the sampler."""
+        return TopLogits(_session_options(None))
 
     def _alloc(self, shape):
         return ort.OrtValue.ortvalue_from_shape_and_type(shape, self.dtype, self.device, 0)

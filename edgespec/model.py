@@ -236,7 +236,7 @@ class Model:
             pace = Pace(self.artifact.manifest.get("round_costs"))
             self._by_policy[policy] = pace, drafters_for(policy, self.engine, pace)
         pace, drafters = self._by_policy[policy]
-        return Decoder(self.engine, Sampler(settings.sampling),
+        return Decoder(self.engine, Sampler(settings.sampling, self.engine.top_logits),
                        drafters if settings.mode == "speculative" else [], pace)
 
     def _prefill(self, prompt_ids, reuse_cache):

@@ -5,9 +5,11 @@ given its history"; greedy decoding takes the argmax of the penalized logits, sa
 draws from the candidates.
 
 Cost: the chain touches the whole vocabulary only in a few float32 vector passes (with
-top-k a max and a comparison; without it a copy for the penalties and an exponential) and
-sorts and normalizes just the tokens a filter keeps. Penalties read token counts kept up
-to date as the history grows, not the history itself.
+top-k one TopK in ONNX Runtime when the caller has one, else a max and a comparison;
+without top-k a copy for the penalties and an exponential) and sorts and normalizes just
+the tokens a filter keeps, top-k's few in plain Python lists: between two ONNX Runtime runs
+each numpy call costs several microseconds however small its array (DESIGN.md). Penalties
+read token counts kept up to date as the history grows, not the history itself.
 
 A draw is one uniform per position, u = hash(seed, position), through the inverse CDF of
 the kept tokens in order of falling probability (ties by id); a fixed order that depends
@@ -22,7 +24,9 @@ makes a draft and a verifier that agree on the likeliest tokens draw the same on
 import dataclasses
 import hashlib
 import math
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
@@ -157,7 +161,8 @@ class TokenCounts:
 class Candidates:
     """The tokens a position may draw, the likeliest first, and their weights
     (probabilities relative to the likeliest's) with their running sum; `tail`: the rest of
-    the vocabulary's weights when no filter cut it (drawn from in id order), else None."""
+    the vocabulary's weights when no filter cut it (drawn from in id order), else None.
+    Arrays, or lists where they are few."""
     ids: np.ndarray
     weights: np.ndarray
     cumulative: np.ndarray
@@ -169,8 +174,7 @@ class Candidates:
         head = float(self.cumulative[-1])
         target = u * (head + (float(self.tail.sum()) if self.tail is not None else 0.0))
         if target < head or self.tail is None:
-            return int(self.ids[min(np.searchsorted(self.cumulative, target, "right"),
-                                    self.ids.size - 1)])
+            return int(self.ids[min(bisect_right(self.cumulative, target), len(self.ids) - 1)])
         rest = np.flatnonzero(self.tail)
         cumulative = np.cumsum(self.tail[rest], dtype=np.float64)
         i = np.searchsorted(cumulative, target - head, "right")
@@ -194,10 +198,13 @@ def uniform(seed: int, position: int) -> float:
 class Sampler:
     """Chooses the token at position len(history) + len(pending) of one generation (its
     history only grows): the argmax of the penalized logits when greedy, else a seeded draw
-    from its candidates."""
+    from its candidates. `top`: a TopLogits (top_logits.py) that finds a row's largest
+    logits in one call, or None (numpy finds them)."""
 
-    def __init__(self, params: SamplingParams):
-        self.params = params
+    def __init__(self, params: SamplingParams, top=None):
+        self.params, self.top = params, top
+        self._penalties32 = [float(np.float32(x)) for x in (
+            params.repetition_penalty, params.presence_penalty, params.frequency_penalty)]
         self.seed = params.seed if params.seed is not None else \
             int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1)
         self.counts = None  # TokenCounts of the history, when a penalty reads them
@@ -212,9 +219,8 @@ class Sampler:
             return int(np.argmax(z))
         counts = self._count(z.size, history, pending)
         try:
-            if params.greedy:  # the argmax of the penalized logits is among the near top
-                ids, values = self.near_top(z, 1)
-                return int(ids[np.argmax(values)])
+            if params.greedy:  # the argmax of the penalized logits (ties: the lower id)
+                return self.ranked_top(z, 1)[0][1]
             return self.candidates(z).draw(uniform(self.seed, len(history) + len(pending)))
         finally:
             if counts is not None:
@@ -250,6 +256,16 @@ class Sampler:
         z[seen] = self._penalize(z[seen], self.counts.count[seen])
         return z
 
+    def _penalize_one(self, value: float, count: int) -> float:
+        """_penalize for one token, in Python floats rounded as numpy rounds the arrays
+        (the penalties as float32, each result rounded to float32)."""
+        r, presence, frequency = self._penalties32
+        if r != 1.0:
+            value = float(np.float32(value / r if value > 0 else value * r))
+        if presence or frequency:
+            value = float(np.float32(value - (presence + frequency * count)))
+        return value
+
     def _penalize(self, values: np.ndarray, count: np.ndarray) -> np.ndarray:
         """Penalized logits of tokens seen count (> 0) times."""
         params = self.params
@@ -263,7 +279,7 @@ class Sampler:
 
     def near_top(self, z: np.ndarray, k: int):
         """(ids ascending, their penalized logits) of a few tokens that include the k with
-        the largest penalized logits, read without touching the rest of the vocabulary:
+        the largest penalized logits, read with numpy passes over the vocabulary:
         the tokens within `spread` of the raw max, once they hold k unseen ones (a penalty
         that only lowers cannot lift a token from below them), and when a penalty may raise
         a logit every seen token too."""
@@ -299,33 +315,62 @@ class Sampler:
         values[hit] = self._penalize(values[hit], seen[hit])
         return ids, values
 
+    def ranked_top(self, z: np.ndarray, k: int) -> list:
+        """[(-penalized logit, id)] of the k tokens with the largest penalized logits and
+        every token tied with the k-th, the largest first, ties by id."""
+        if self.top is not None:
+            ranked = self._ranked_among_top(z, k)
+            if ranked is not None:
+                return ranked
+        ids, values = self.near_top(z, k)
+        order = np.argsort(-values, kind="stable")  # ids ascend: ties stay in id order
+        values = values[order]
+        n = np.searchsorted(-values, -values[k - 1], "right") \
+            if ids.size > k else ids.size  # ties with the k-th stay
+        return list(zip((-values[:n]).tolist(), ids[order[:n]].tolist()))
+
+    def _ranked_among_top(self, z: np.ndarray, k: int):
+        """ranked_top from the largest raw logits `top` finds, or None where they may not
+        hold the answer: fewer than k of them unseen, a penalty that may raise a logit, or
+        a penalized k-th no larger than the smallest of them (a token outside could tie)."""
+        if not k < self.top.k < z.size or self.params.raises:
+            return None
+        found, raw = self.top(z)
+        ids, raw = found.tolist(), raw.tolist()
+        if self.counts is None:
+            ranked = sorted(zip([-v for v in raw], ids))
+        else:
+            seen = self.counts.count[found].tolist()
+            if seen.count(0) < k:
+                return None
+            penalize = self._penalize_one
+            ranked = sorted([(-(penalize(v, c) if c else v), i)
+                             for v, i, c in zip(raw, ids, seen)])
+        kth = ranked[k - 1][0]
+        if -kth <= min(raw):
+            return None
+        return ranked[:bisect_right(ranked, (kth, math.inf))]
+
     def candidates(self, z: np.ndarray) -> Candidates:
         """Temperature, then top-k, top-p and min-p, over raw logits `z` (the token counts
         up to date when a penalty is on)."""
         params, t = self.params, self.params.temperature
-        tail = None
         if params.top_k and params.top_k < z.size:
-            ids, values = self.near_top(z, params.top_k)
-            order = np.argsort(-values, kind="stable")  # ids ascend: ties stay in id order
-            values = values[order]
-            n = np.searchsorted(-values, -values[params.top_k - 1], "right") \
-                if ids.size > params.top_k else ids.size  # ties with the k-th stay
-            ids, values = ids[order[:n]], values[:n].astype(np.float64)
-            weights = np.exp((values - values[0]) / t)
-        else:
-            z = self._penalize_all(z)
-            top = float(z.max())
-            if params.top_p < 1.0 or not params.min_p:  # every token's weight counts
-                every = np.exp((z - top) / np.float32(t))
-                ids = np.flatnonzero(every >= TAIL)
-                weights = every[ids].astype(np.float64)
-                every[ids] = 0.0
-                tail = every
-            else:  # min-p alone bounds the logits kept (the exact cut is on the weights)
-                ids = np.flatnonzero(z >= top + t * math.log(params.min_p) - 1e-3)
-                weights = np.exp((z[ids] - top).astype(np.float64) / t)
-            order = np.argsort(-weights, kind="stable")
-            ids, weights = ids[order], weights[order]
+            return self._top_k_candidates(self.ranked_top(z, params.top_k))
+        tail = None
+        z = self._penalize_all(z)
+        top = float(z.max())
+        if params.top_p < 1.0 or not params.min_p:  # every token's weight counts
+            every = np.exp((z - top) / np.float32(t))
+            ids = np.flatnonzero(every >= TAIL)
+            weights = every[ids].astype(np.float64)
+            every[ids] = 0.0
+            tail = every
+        else:  # min-p alone bounds the logits kept (the exact cut is on the weights)
+            ids = np.flatnonzero(z >= top + t * math.log(params.min_p) - 1e-3)
+            weights = np.exp((z[ids] - top).astype(np.float64) / t)
+        order = np.argsort(-weights, kind="stable")
+        ids, weights = ids[order], weights[order]
         if params.top_p < 1.0:
             ids, weights = _nucleus(ids, weights, tail, params.top_p)
             tail = None
@@ -334,6 +379,19 @@ class Sampler:
         n = np.searchsorted(-weights, -max(params.min_p, SMALLEST), "right")
         ids, weights = ids[:n], weights[:n]
         return Candidates(ids, weights, np.cumsum(weights), tail)
+
+    def _top_k_candidates(self, ranked: list) -> Candidates:
+        """candidates' chain after top-k on its few tokens (ranked_top's), in Python lists."""
+        params = self.params
+        first = ranked[0][0]
+        weights = [math.exp((first - v) / params.temperature) for v, _ in ranked]
+        cumulative = list(accumulate(weights))
+        n = len(weights)
+        if params.top_p < 1.0:  # the smallest prefix whose mass reaches top_p
+            n = min(bisect_left(cumulative, params.top_p * cumulative[-1]) + 1, n)
+        # min-p, and tokens at -inf, as in candidates
+        n = bisect_right(weights, -max(params.min_p, SMALLEST), 0, n, key=lambda w: -w)
+        return Candidates([i for _, i in ranked[:n]], weights[:n], cumulative[:n])
 
 
 def _nucleus(ids, weights, tail, top_p):
