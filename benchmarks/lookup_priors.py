@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import edgespec  # noqa: E402
 from edgespec.drafter import Pace  # noqa: E402
-from edgespec.lookup import LENGTHS, MAX_MATCH, PRIOR, PromptLookup, bucket  # noqa: E402
+from edgespec.lookup import LENGTHS, PRIOR, PromptLookup  # noqa: E402
 from benchmarks.plain_decode import pick_prompts  # noqa: E402
 
 
@@ -31,8 +31,8 @@ def replay(texts, k) -> tuple:
             if offer is None:
                 continue
             match, _ = offer.plan
-            for i, draft in enumerate(match.continuation(offer.k)):
-                key = (bucket(min(match.length + i, MAX_MATCH)), match.kind if i == 0 else "single")
+            for i, (draft, key) in enumerate(zip(match.continuation(offer.k),
+                                                 match.keys(offer.k))):
                 tries[key] = tries.get(key, 0) + 1
                 if j + i >= len(reply) or draft != reply[j + i]:
                     break

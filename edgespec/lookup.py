@@ -64,6 +64,12 @@ class Match:
         """Up to k tokens of the text from the chosen continuation on: the drafts."""
         return self.text[self.position:self.position + k]
 
+    def keys(self, k: int) -> list:
+        """The (length bucket, kind) whose acceptance rate each of k drafts takes: a draft's
+        later tokens count as a "single" match grown by the tokens before them."""
+        return [(BUCKET[min(self.length + i, MAX_MATCH)], self.kind if i == 0 else "single")
+                for i in range(k)]
+
 
 class NgramIndex:
     """Where each n-gram of some texts occurred (n in `sizes`), and which tokens followed it."""
@@ -177,8 +183,7 @@ class PromptLookup(Drafter):
     def plan(self, match: Match, budget: int):
         """The offer of the k with the most expected committed tokens per unit of cost,
         None when none earns more than a plain step (1 token a step)."""
-        keys = [(BUCKET[min(match.length + i, MAX_MATCH)], match.kind if i == 0 else "single")
-                for i in range(budget)]
+        keys = match.keys(budget)
         best_k, best, expected, chain = 0, 1.0, 1.0, 1.0
         for k, key in enumerate(keys, 1):
             chain *= self.rate(key)  # the chance that the first k drafts are all accepted

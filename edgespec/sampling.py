@@ -8,7 +8,7 @@ Cost: the chain touches the whole vocabulary only in a few float32 vector passes
 top-k one TopK in ONNX Runtime when the caller has one, else a max and a comparison;
 without top-k a copy for the penalties and an exponential) and sorts and normalizes just
 the tokens a filter keeps, top-k's few in plain Python lists: between two ONNX Runtime runs
-each numpy call costs several microseconds however small its array (DESIGN.md). Penalties
+a numpy call's fixed cost outweighs the work on so few (DESIGN.md). Penalties
 read token counts kept up to date as the history grows, not the history itself.
 
 A draw is one uniform per position, u = hash(seed, position), through the inverse CDF of
@@ -374,9 +374,7 @@ class Sampler:
         if params.top_p < 1.0:
             ids, weights = _nucleus(ids, weights, tail, params.top_p)
             tail = None
-        # min-p (the likeliest weighs 1), and tokens at -inf (outside a draft's shortlist)
-        # never draw: the weights fall, so one search cuts both
-        n = np.searchsorted(-weights, -max(params.min_p, SMALLEST), "right")
+        n = _min_p_size(weights, len(weights), params.min_p)
         ids, weights = ids[:n], weights[:n]
         return Candidates(ids, weights, np.cumsum(weights), tail)
 
@@ -386,11 +384,9 @@ class Sampler:
         first = ranked[0][0]
         weights = [math.exp((first - v) / params.temperature) for v, _ in ranked]
         cumulative = list(accumulate(weights))
-        n = len(weights)
-        if params.top_p < 1.0:  # the smallest prefix whose mass reaches top_p
-            n = min(bisect_left(cumulative, params.top_p * cumulative[-1]) + 1, n)
-        # min-p, and tokens at -inf, as in candidates
-        n = bisect_right(weights, -max(params.min_p, SMALLEST), 0, n, key=lambda w: -w)
+        n = _nucleus_size(cumulative, cumulative[-1], params.top_p) \
+            if params.top_p < 1.0 else len(weights)
+        n = _min_p_size(weights, n, params.min_p)
         return Candidates([i for _, i in ranked[:n]], weights[:n], cumulative[:n])
 
 
@@ -407,8 +403,19 @@ def _nucleus(ids, weights, tail, top_p):
         order = np.argsort(-weights, kind="stable")
         ids, weights = ids[order], weights[order]
         cumulative = np.cumsum(weights)
-    n = min(np.searchsorted(cumulative, top_p * total) + 1, ids.size)
+    n = _nucleus_size(cumulative, total, top_p)
     return ids[:n], weights[:n]
+
+
+def _nucleus_size(cumulative, total: float, top_p: float) -> int:
+    """How many of the likeliest-first candidates (their running sum) reach top_p of `total`."""
+    return min(bisect_left(cumulative, top_p * total) + 1, len(cumulative))
+
+
+def _min_p_size(weights, n: int, min_p: float) -> int:
+    """How many of the first n falling weights min-p keeps (the likeliest weighs 1); tokens
+    at -inf (outside a draft's shortlist) never draw, so one search cuts both."""
+    return bisect_right(weights, -max(min_p, SMALLEST), 0, n, key=lambda w: -w)
 
 
 def distribution(logits: np.ndarray, history, params: SamplingParams) -> np.ndarray:

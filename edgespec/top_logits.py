@@ -1,6 +1,6 @@
 """A row's largest logits, found by ONNX Runtime's TopK in one call: between two runs of
-the model every numpy call costs several microseconds, and numpy needs a max, a comparison
-and a selection for what TopK does at once (DESIGN.md, Sampling)."""
+the model each numpy call pays its fixed cost again, and numpy needs a max, a comparison and
+a selection for what TopK does at once (DESIGN.md, Sampling)."""
 from importlib import resources
 
 import numpy as np
