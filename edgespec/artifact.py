@@ -11,9 +11,11 @@ import numpy as np
 from .errors import EdgespecError
 from .sampling import CHAT_DEFAULTS, SAMPLING_FIELDS, SamplingParams
 
-FORMAT_VERSION = 2  # 2: attention pad rows (engine.py), int4 zero points
+FORMAT_VERSION = 3  # 2: attention pad rows (engine.py), int4 zero points; 3: batch graphs
 MANIFEST = "manifest.json"
 GRAPHS = ("lower", "upper", "head")
+BATCH_GRAPHS = ("lower", "upper")  # each also as lower_x{slots}: that many sequences at once
+BATCH_SLOTS = (2, 4, 8)
 DRAFT_GRAPH, DRAFT_VOCAB = "draft", "draft_vocab.npy"  # optional: exit adapter, shortlist
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 ARCH_NUMBERS = ("vocab_size", "hidden_size", "num_layers", "num_kv_heads", "head_dim")
@@ -61,10 +63,21 @@ class Artifact:
     def graph(self, name: str) -> Path:
         return self.path / f"{name}.onnx"
 
+    def batch_graph(self, name: str, slots: int) -> Path:
+        """The graph that runs `name`'s layers for `slots` sequences at once (their weights
+        are the single-sequence graph's)."""
+        return self.graph(batch_name(name, slots))
+
+
     def draft_vocab(self):
         """Token ids of the draft graph's shortlisted head (its logit i is token ids[i]),
         checked against the vocabulary when the artifact is opened; None without a draft graph."""
         return self._draft_vocab
+
+
+def batch_name(graph: str, slots: int) -> str:
+    """The name of a graph that runs `slots` sequences at once (1: the graph itself)."""
+    return graph if slots == 1 else f"{graph}_x{slots}"
 
 
 def _graphs(files) -> tuple:
@@ -136,6 +149,10 @@ def _is_int(value, low, high=None) -> bool:
         (high is None or value < high)
 
 
+def _is_positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 def _check_manifest(manifest, problem):
     """Every field the runtime reads is there and of the right kind, checked once on open so
     that the engine, the tokenizer and the model can index the manifest without guarding."""
@@ -162,9 +179,16 @@ def _check_manifest(manifest, problem):
     _check_sampling(manifest.get("sampling", {}), problem)
     costs = manifest.get("round_costs", {"1": 1.0})
     problem.require(isinstance(costs, dict) and "1" in costs and all(
-        k.isdigit() and int(k) >= 1 and isinstance(v, (int, float)) and not isinstance(v, bool)
-        and v > 0 for k, v in costs.items()), "round_costs", costs,
+        k.isdigit() and int(k) >= 1 and _is_positive(v) for k, v in costs.items()),
+        "round_costs", costs,
         'an object of row counts ("1", "2", ...) to positive numbers, "1" among them')
+    batches = manifest.get("batch_round_costs", {})
+    problem.require(isinstance(batches, dict) and all(
+        k in map(str, BATCH_SLOTS) and isinstance(v, dict) and v and all(
+            r.isdigit() and _is_positive(c) for r, c in v.items())
+        for k, v in batches.items()), "batch_round_costs", batches,
+        f'an object of batch sizes ({", ".join(map(str, BATCH_SLOTS))}) to objects of row '
+        'counts to positive numbers')
     graph = manifest.get("draft_graph", {})
     problem.require(isinstance(graph, dict) and _is_int(graph.get("vocab", 1), 1),
                     "draft_graph", graph, '{"vocab": an integer >= 1}')
@@ -209,6 +233,7 @@ def _check_file_list(manifest, problem):
     problem.require(isinstance(template, str), "chat_template", template, "a file name")
     graphs = _graphs(files)
     required = [f"{g}.{ext}" for g in graphs for ext in ("onnx", "data")] + \
+        [f"{batch_name(g, slots)}.onnx" for g in BATCH_GRAPHS for slots in BATCH_SLOTS] + \
         list(TOKENIZER_FILES) + ([DRAFT_VOCAB] if DRAFT_GRAPH in graphs else [])
     for name in required:
         if name not in files:

@@ -8,6 +8,7 @@ tokens (seeded sampling, like greedy decoding, gives speculative the same tokens
 import json
 import statistics
 import sys
+import time
 import zlib
 from collections import defaultdict
 from importlib import resources
@@ -61,8 +62,7 @@ def bench_prompt(model, row, settings, repeat=1) -> dict:
     interleaved `repeat` times, each speculative run without earlier replies to copy; the
     speeds are medians over the runs and `identical` holds only if every run matched plain."""
     ids = prompt_ids(model, row)
-    if settings.sampling.seed is None:
-        settings = settings.with_options(seed=zlib.crc32(str(row["question_id"]).encode()))
+    settings = _seeded(settings, row)
     if len(ids) + settings.max_new_tokens >= model.engine.max_context:
         raise EdgespecError(f"prompt {row['question_id']} has {len(ids)} tokens: too long for "
                             f"the context of {model.engine.max_context} with "
@@ -148,6 +148,81 @@ def plot(summaries, out, title):
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+def run_parallel(model, rows, settings, parallels, repeat=1, progress=sys.stderr) -> dict:
+    """Every prompt decoded `parallel` at a time, for each count in `parallels`, plain and
+    speculative, the whole set `repeat` times interleaved. Parallel 1 is the single-reply
+    path (Model.generate_ids); its replies are the solo runs every batch's replies are
+    compared with. {(parallel, mode): run summary}, speeds the medians over the repeats."""
+    model.generate("Hello", max_new_tokens=8)  # warm up sessions and allocators
+    prompts = [(prompt_ids(model, row), _seeded(settings, row)) for row in rows]
+    parallels = sorted(set(parallels) | {1})
+    runs, solo = defaultdict(list), {}
+    todo = [(p, mode) for _ in range(repeat) for p in parallels for mode in ("plain", "speculative")]
+    for i, (parallel, mode) in enumerate(todo, 1):
+        print(f"\r[{'#' * (20 * i // len(todo)):20}] {i}/{len(todo)}  parallel {parallel}, "
+              f"{mode}   ", end="", file=progress, flush=True)
+        run = _run_batch(model, prompts, mode, parallel)
+        solo.setdefault(mode, run["replies"])
+        run["identical"] = sum(a == b for a, b in zip(run.pop("replies"), solo[mode]))
+        runs[(parallel, mode)].append(run)
+    print(file=progress)
+    summary = {}
+    for (parallel, mode), done in runs.items():
+        speed = statistics.median(r["aggregate_decode_tok_s"] for r in done)
+        base = statistics.median(r["aggregate_decode_tok_s"] for r in runs[(1, mode)])
+        plain = statistics.median(r["aggregate_decode_tok_s"] for r in runs[(parallel, "plain")])
+        summary[(parallel, mode)] = {
+            "parallel": parallel, "mode": mode, "runs": len(done), "prompts": len(prompts),
+            "aggregate_decode_tok_s": speed, "vs_parallel_1": speed / base,
+            "vs_plain": speed / plain,
+            "per_sequence_tok_s": statistics.median(r["per_sequence_tok_s"] for r in done),
+            "tokens_per_round": statistics.median(r["tokens_per_round"] for r in done),
+            "identical_to_solo": f"{min(r['identical'] for r in done)}/{len(prompts)}"}
+    return summary
+
+
+def _seeded(settings, row):
+    if settings.sampling.seed is not None:
+        return settings
+    return settings.with_options(seed=zlib.crc32(str(row["question_id"]).encode()))
+
+
+def _run_batch(model, prompts, mode, parallel) -> dict:
+    """One pass over the prompts: tokens, aggregate and per-reply decode speeds. Decode time
+    is the wall time less the rounds that ran prompt rows only (parallel 1: the replies'
+    own decode times, prefill apart)."""
+    model.forget()  # nothing copied from an earlier pass
+    if parallel == 1:
+        results, began = [], time.perf_counter()
+        for ids, settings in prompts:
+            results.append(model.generate_ids(ids, settings=settings.with_options(mode=mode)))
+        decode_s = sum(g.decode_s for g in results)
+    else:
+        batch = model.batch(parallel)
+        members = [batch.add(ids, settings.with_options(mode=mode)) for ids, settings in prompts]
+        began = time.perf_counter()
+        for _ in batch.run():
+            pass
+        decode_s = time.perf_counter() - began - batch.prompt_seconds
+        results = [m.result for m in members]
+    return {"replies": [g.tokens for g in results],
+            "aggregate_decode_tok_s": sum(g.n_generated - 1 for g in results) / decode_s,
+            "per_sequence_tok_s": statistics.median(g.decode_tokens_per_s for g in results),
+            "tokens_per_round": statistics.mean(g.stats.tokens_per_round for g in results)}
+
+
+def parallel_table(summary) -> str:
+    head = (f"{'parallel':>8} {'mode':12} {'aggregate tok/s':>15} {'x parallel 1':>12} "
+            f"{'x plain':>8} {'per-seq tok/s':>13} {'tok/round':>9} {'identical to solo':>17}")
+    lines = [head, "-" * len(head)]
+    for s in summary.values():
+        lines.append(f"{s['parallel']:>8} {s['mode']:12} {s['aggregate_decode_tok_s']:>15.1f} "
+                     f"{s['vs_parallel_1']:>11.2f}x {s['vs_plain']:>7.2f}x "
+                     f"{s['per_sequence_tok_s']:>13.1f} {s['tokens_per_round']:>9.2f} "
+                     f"{s['identical_to_solo']:>17}")
+    return "\n".join(lines)
 
 
 def cost_line(costs) -> str:

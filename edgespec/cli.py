@@ -207,7 +207,10 @@ def _bench_args(sub, common):
                           "For each prompt (first turn, chat template, the model's sampling "
                           "settings or those given, seeded by the prompt's id): plain decoding, "
                           "then speculative, same artifact, same process. Prints a table per "
-                          "category (median speedup, share of identical outputs, acceptance).")
+                          "category (median speedup, share of identical outputs, acceptance). "
+                          "With --parallel: the whole set decoded N replies at a time against "
+                          "one at a time, plain and speculative, and each reply compared with "
+                          "its solo run.")
     p.add_argument("--prompts", help="a JSONL file of {question_id, category, turns} "
                    "(default: a small built-in set; Spec-Bench's question.jsonl works)")
     p.add_argument("--max-new-tokens", type=_positive, default=128, help="default: 128")
@@ -216,12 +219,25 @@ def _bench_args(sub, common):
     p.add_argument("--categories", nargs="+", help="only these categories")
     p.add_argument("--repeat", type=_positive, default=3, help="runs of each prompt and mode, "
                    "interleaved; speeds are their medians (default: 3)")
+    p.add_argument("--parallel", type=_parallel, nargs="+", metavar="N",
+                   help="decode the prompts N at a time instead (1 to 8; several counts "
+                   "compare them), continuously: a finished reply's place goes to the next "
+                   "prompt. Prints aggregate decode tokens/s against --parallel 1 (one reply "
+                   "at a time) and plain decoding, and how many replies equal their solo run")
     p.add_argument("--json", metavar="OUT", help="write per-prompt results and summaries here")
     p.add_argument("--plot", metavar="OUT.png", help="bar chart of speedup and acceptance")
     _sampling_args(p)
     _draft_args(p)
     _runtime_args(p)
     p.set_defaults(run=_bench)
+
+
+def _parallel(text):
+    from .batch import MOST_PARALLEL
+    value = _positive(text)
+    if value > MOST_PARALLEL:
+        raise argparse.ArgumentTypeError(f"at most {MOST_PARALLEL}")
+    return value
 
 
 def _bench(args):
@@ -232,6 +248,8 @@ def _bench(args):
     options = _options(args)
     model = _load(args)
     settings = model.settings(**options)
+    if args.parallel:
+        return _bench_parallel(args, model, rows, settings)
     results = bench.run(model, rows, settings, args.repeat)
     summaries = bench.summarize(results)
     costs = model.engine.round_costs()
@@ -253,6 +271,22 @@ def _bench(args):
     if args.plot:
         bench.plot(summaries, args.plot, f"{Path(args.artifact).name}: exit "
                    f"{model.artifact.exit_layer}, {policy.describe()}")
+
+
+def _bench_parallel(args, model, rows, settings):
+    from . import bench
+    summary = bench.run_parallel(model, rows, settings, args.parallel, args.repeat)
+    print(f"{args.artifact}: {len(rows)} prompts, {args.max_new_tokens} new tokens, "
+          f"{settings.sampling.describe()}, {args.repeat} runs each (medians); per sequence "
+          f"{model.engine.sequence_bytes / 2**20:.0f} MiB of KV cache")
+    print(bench.parallel_table(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "settings": {"artifact": str(args.artifact), "max_new_tokens": args.max_new_tokens,
+                         "threads": args.threads, "repeat": args.repeat,
+                         "sampling": dataclasses.asdict(settings.sampling),
+                         "draft_policy": dataclasses.asdict(settings.draft)},
+            "runs": list(summary.values())}, indent=1))
 
 
 def _serve_args(sub, common):

@@ -60,48 +60,66 @@ class Timer:
 
 
 class Decoder:
+    """The decode loop of one sequence (the engine's current one while it runs)."""
+
     def __init__(self, engine: Engine, sampler: Sampler, drafters: list, pace: Pace):
         self.engine, self.sampler, self.drafters, self.pace = engine, sampler, drafters, pace
         self.stats = DecodeStats(drafters={d.name: DrafterStats() for d in drafters})
+        self.timer = Timer(self.stats.seconds)
         for d in drafters:
             d.new_text(sampled=not sampler.params.greedy)
 
     def rounds(self, first_logits, history: list, max_new_tokens: int):
         """Yield lists of committed tokens, one list per round (the first from prefill).
         `history` (prompt + generated ids) is extended in place."""
-        engine, stats = self.engine, self.stats
-        timer = Timer(stats.seconds)
-        first = self.sampler(first_logits, history)
-        timer.charge("sampling")
-        history.append(first)
-        yield [first]
-        timer.restart()
+        yield self.start(first_logits, history)
         produced = 1
         while produced < max_new_tokens:
-            began = timer.last
-            room = engine.max_context - len(history)  # positions left after the token fed
-            budget = max(0, min(max_new_tokens - produced - 1, room))
-            base = engine.lower_len
-            offer = best_offer(self.drafters, history, budget)
-            if offer is None:
-                engine.lower([history[-1]])
-                timer.charge("draft")
-                drafts = []
-            else:
-                drafts = offer.drafter.draft(offer, history, self.sampler, timer)
-            logits = self.verify(len(drafts), timer)
-            committed = self.accept(drafts, logits, history)
-            timer.charge("sampling")
-            engine.rollback(base + len(committed))
-            seconds, accepted = timer.last - began, len(committed) - 1
-            self.pace.record(len(committed), seconds, plain=offer is None)
-            if offer is not None:
-                offer.drafter.observe(offer, len(drafts), accepted, seconds)
-            stats.record(offer and offer.drafter.name, len(drafts), accepted)
-            history.extend(committed)
+            committed = self.round(history, max_new_tokens - produced)
             produced += len(committed)
             yield committed
-            timer.restart()
+
+    def start(self, first_logits, history: list) -> list:
+        """The reply's first token, from the prompt's last logits."""
+        self.timer.restart()
+        first = self.sampler(first_logits, history)
+        self.timer.charge("sampling")
+        history.append(first)
+        return [first]
+
+    def budget(self, history: list, wanted: int) -> int:
+        """The most drafts a round may make when `wanted` tokens are still to come."""
+        room = self.engine.max_context - len(history)  # positions left after the token fed
+        return max(0, min(wanted - 1, room))
+
+    def round(self, history: list, wanted: int) -> list:
+        """One round on the engine's current sequence: the tokens it commits (at least one,
+        at most `wanted`), appended to `history`."""
+        engine, timer = self.engine, self.timer
+        timer.restart()
+        began, base = timer.last, len(history) - 1  # the last token's position
+        engine.rollback(base)
+        offer = best_offer(self.drafters, history, self.budget(history, wanted))
+        if offer is None:
+            engine.lower([history[-1]])
+            timer.charge("draft")
+            drafts = []
+        else:
+            drafts = offer.drafter.draft(offer, history, self.sampler, timer)
+        logits = self.verify(len(drafts), timer)
+        committed = accept(self.sampler, drafts, logits, history)
+        timer.charge("sampling")
+        engine.rollback(base + len(committed))
+        self.record(offer, len(drafts), committed, timer.last - began)
+        history.extend(committed)
+        return committed
+
+    def record(self, offer, drafted: int, committed: list, seconds: float):
+        """What a round did, for the pace, its drafter and the statistics."""
+        self.pace.record(len(committed), seconds, plain=offer is None)
+        if offer is not None:
+            offer.drafter.observe(offer, drafted, len(committed) - 1, seconds)
+        self.stats.record(offer and offer.drafter.name, drafted, len(committed) - 1)
 
     def verify(self, n_drafts, timer):
         """Verifier logits after the round's first token and after each draft (n + 1 rows)."""
@@ -111,10 +129,11 @@ class Decoder:
         timer.charge("head")
         return logits
 
-    def accept(self, drafts, logits, history):
-        """The committed tokens of the round: accepted drafts, then the verifier's token."""
-        for i, d in enumerate(drafts):
-            target = self.sampler(logits[i], history, drafts[:i])
-            if target != d:
-                return drafts[:i] + [target]
-        return drafts + [self.sampler(logits[len(drafts)], history, drafts)]
+
+def accept(sampler, drafts, logits, history) -> list:
+    """The committed tokens of a round: accepted drafts, then the verifier's token."""
+    for i, d in enumerate(drafts):
+        target = sampler(logits[i], history, drafts[:i])
+        if target != d:
+            return drafts[:i] + [target]
+    return drafts + [sampler(logits[len(drafts)], history, drafts)]

@@ -41,9 +41,25 @@ class Drafter:
     def new_text(self, sampled: bool):
         """A new generation begins (sampled: the verifier samples rather than argmaxes)."""
 
+    def for_text(self) -> "Drafter":
+        """The drafter for one more text decoded beside the others (a batch): itself when
+        what it keeps is the model's, a twin with the text's own state otherwise."""
+        return self
+
+    def end_text(self):
+        """A text decoded beside others (see for_text) has ended."""
+
     def offer(self, history: list, budget: int) -> Offer:
         """What it would draft after `history` (at most `budget` tokens), or None."""
         raise NotImplementedError
+
+    def candidates(self, history: list, budget: int):
+        """For a batch round, which plans the drafts of many sequences at once and runs
+        them in one call: (drafts, chances, offer_for) for up to `budget` drafts made
+        without the engine. chances[j]: the chance that drafts 0..j are all accepted (the
+        tokens draft j adds, expected); offer_for(k): the offer of the first k, for
+        `observe`. ([], [], None) when it has none or cannot draft in a batch."""
+        return [], [], None
 
     def draft(self, offer: Offer, history: list, sampler, timer) -> list:
         """Feed history[-1] and the drafts through the engine's lower layers; the drafts.

@@ -21,6 +21,15 @@ the call's total length; for head_dim > 128 (Gemma 3) a call is cut where that c
 
 The optional draft graph (exit adapter and shortlisted head) reads exit states too and has
 its own KV cache; it only proposes tokens, so its numerics never touch the output.
+
+What belongs to one conversation (its KV buffers, exit states and lengths) is a Sequence;
+the sessions and weights are the engine's, shared by every sequence. The single-sequence
+methods (lower, upper, step, prefill, draft_head) run on the engine's current sequence
+(`use`). `forward` runs the rows of several sequences in one call of the batch graphs,
+each at the positions it names: the linear layers see all rows packed (a row's bits do not
+depend on the others), and each sequence has its own GroupQueryAttention on its own cache
+with its own pad row, exactly as when it runs alone, so a reply in a batch is bit for bit
+its solo reply.
 """
 import functools
 import statistics
@@ -30,12 +39,13 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as ort_state
 
-from .artifact import MANIFEST, PAD_ROWS, Artifact
+from .artifact import BATCH_SLOTS, MANIFEST, PAD_ROWS, Artifact
 from .errors import EdgespecError
 from .top_logits import TopLogits
 
 CHUNK = 256  # the most positions one call handles (prefill is cut into chunks)
 COST_ROWS = (1, 2, 3, 4, 6, 8, 16, 32)  # the rows of a round whose cost round_costs measures
+BATCH_ROWS = (1, 2, 3, 4, 6, 8)  # rows per sequence of the batch rounds it measures
 NUMPY_DTYPE = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
@@ -152,16 +162,13 @@ class Engine:
         self.hidden_size, self.vocab_size = a["hidden_size"], a["vocab_size"]
         self.max_context = artifact.max_context
         self.dtype = NUMPY_DTYPE[self.sessions["upper"].get_inputs()[0].type]
-        kv_shape = [1, a["num_kv_heads"], self.max_context + PAD_ROWS, a["head_dim"]]
-        self.kv = {name: self._alloc(kv_shape) for s in self.sessions if s != "head"
-                   for name in self._past_names(s)}
-        self.exit_states = self._alloc([1, self.max_context, self.hidden_size])  # by position
+        self.kv_shape = [1, a["num_kv_heads"], self.max_context + PAD_ROWS, a["head_dim"]]
         self.final_states = self._alloc([1, CHUNK, self.hidden_size])  # by row of a call
         self.cuts = gemm_cuts(a["head_dim"])
-        self.lower_len = self.upper_len = 0  # valid positions in each KV cache
-        self.draft_len = 0  # positions the draft graph's adapter has seen
-        self.tokens = []  # the token at each position lower has run
         self._calls = {}
+        self._threads = threads
+        self._batch = None  # the batch graphs' sessions and buffers, made when first used
+        self.seq = self.new_sequence()  # the sequence the single-sequence methods run on
         self.draft_vocab = artifact.draft_vocab()  # the draft graph's token ids, if any
         if "draft" in self.sessions:
             self._draft_logits = np.full(self.vocab_size, -np.inf, np.float32)  # -inf: not
@@ -178,18 +185,45 @@ class Engine:
     def _past_names(self, graph):
         return [i.name for i in self.sessions[graph].get_inputs() if i.name.startswith("past_")]
 
+    def new_sequence(self) -> "Sequence":
+        """A new conversation's buffers (KV of every layer and exit states), allocated now:
+        `sequence_bytes` of memory."""
+        return Sequence(self)
+
+    @property
+    def sequence_bytes(self) -> int:
+        """The memory one sequence holds: its KV caches and exit states."""
+        per_kv = int(np.prod(self.kv_shape)) * np.dtype(self.dtype).itemsize
+        layers = sum(len(self._past_names(s)) for s in self.sessions if s != "head")
+        return layers * per_kv + self.max_context * self.hidden_size * np.dtype(self.dtype).itemsize
+
+    def use(self, seq: "Sequence"):
+        """Make `seq` the sequence the single-sequence methods run on."""
+        if seq is not self.seq:
+            self.seq = seq
+            self._calls.clear()  # they bound the previous sequence's buffers
+
+    # the current sequence's state, by its old names
+    kv = property(lambda self: self.seq.kv)
+    exit_states = property(lambda self: self.seq.exit_states)
+    tokens = property(lambda self: self.seq.tokens)
+    lower_len = property(lambda self: self.seq.lower_len,
+                         lambda self, n: setattr(self.seq, "lower_len", n))
+    upper_len = property(lambda self: self.seq.upper_len,
+                         lambda self, n: setattr(self.seq, "upper_len", n))
+    draft_len = property(lambda self: self.seq.draft_len,
+                         lambda self, n: setattr(self.seq, "draft_len", n))
+
     def reset(self):
         self.rollback(0)
 
     def rollback(self, length: int):
         """Forget every position from `length` on, in both halves. Nothing is copied."""
-        self.lower_len = min(self.lower_len, length)
-        self.upper_len = min(self.upper_len, length)
-        self.draft_len = min(self.draft_len, length)
+        self.seq.rollback(length)
 
     def cached_tokens(self) -> list:
         """The tokens whose KV both halves hold: a prompt sharing them may skip them."""
-        return self.tokens[:min(self.lower_len, self.upper_len)]
+        return self.seq.cached_tokens()
 
     # -- binding ---------------------------------------------------------------------------
 
@@ -238,7 +272,7 @@ class Engine:
         binding.bind_ortvalue_input("rows", ort.OrtValue.ortvalue_from_numpy(host["rows"]))
         binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(host["logits"]))
         call = _Call(session, binding, host)
-        if rows <= 16:
+        if rows <= 64:
             self._calls[key] = call
         return call
 
@@ -363,6 +397,196 @@ class Engine:
             costs[rows] = 1e3 * statistics.median(times)
         self.reset()
         return costs
+
+    # -- several sequences in one call -------------------------------------------------
+
+    def call_rows(self, first: int, count: int) -> int:
+        """How many of `count` rows from position `first` one call may run: within CHUNK,
+        the context and the GEMM cuts (see gemm_cuts)."""
+        limit = min(count, CHUNK, self.max_context - first)
+        cut = next((c for c in self.cuts if first < c < first + limit), None)
+        return limit if cut is None else cut - first
+
+    def forward(self, parts):
+        """Run lower and upper on the rows of several sequences in one call each: `parts` is
+        [(sequence, first position, token ids)], at most max(BATCH_SLOTS) of them, each
+        within call_rows. A sequence forgets what it held from `first` on and holds the ids
+        there after; the final states of all rows, packed in the parts' order, are what
+        `head_rows` reads (until the next call)."""
+        batch = self._batch_graphs()
+        slots = next(s for s in BATCH_SLOTS if s >= len(parts))
+        rows = sum(len(ids) for _, _, ids in parts)
+        for seq, first, ids in parts:
+            if self.call_rows(first, len(ids)) < len(ids) or \
+                    first > min(seq.lower_len, seq.upper_len):
+                raise ValueError(f"{len(ids)} rows at {first} do not fit one call")
+        lower, upper = (batch.call(self, graph, slots, rows) for graph in ("lower", "upper"))
+        for call in (lower, upper):
+            call.bind_sequences([seq for seq, _, _ in parts])
+            for slot in range(slots):  # idle slots run their pad row alone on a scratch cache
+                _, first, ids = parts[slot] if slot < len(parts) else (None, 0, [])
+                call.host["slot_rows"][slot] = len(ids)
+                call.host["seqlens_k"][slot] = first + len(ids) + PAD_ROWS - 1
+                call.host["total_seq_len"][slot] = first + len(ids) + PAD_ROWS
+        lower.host["input_ids"][0] = [t for _, _, ids in parts for t in ids]
+        lower.run()
+        upper.run()
+        row = 0
+        for seq, first, ids in parts:
+            seq.rollback(first)
+            seq.tokens[first:] = [int(t) for t in ids]
+            seq.exit_host[first:first + len(ids)] = batch.exit_host[row:row + len(ids)]
+            seq.lower_len = seq.upper_len = first + len(ids)
+            row += len(ids)
+
+    def head_rows(self, rows) -> np.ndarray:
+        """Logits [len(rows), vocab] for rows of the last `forward`'s final states."""
+        return self.head(self._batch.final, rows)
+
+    def _batch_graphs(self) -> "_BatchGraphs":
+        if self.device != "cpu":
+            raise EdgespecError("decoding several sequences at once runs on the CPU provider "
+                                "only; use --device cpu")
+        if self._batch is None:
+            self._batch = _BatchGraphs(self)
+        return self._batch
+
+
+class Sequence:
+    """One conversation's state: its KV buffers (every layer of lower, upper and the draft
+    graph), the exit state of every position, and how many positions each half holds."""
+
+    def __init__(self, engine: Engine):
+        self.kv = {name: engine._alloc(engine.kv_shape) for s in engine.sessions if s != "head"
+                   for name in engine._past_names(s)}
+        shape = [1, engine.max_context, engine.hidden_size]
+        if engine.device == "cpu":  # a host array the batch graphs' rows are copied into
+            self.exit_host = _host_array(shape[1:], engine.dtype)
+            self.exit_states = ort.OrtValue.ortvalue_from_numpy(self.exit_host[None])
+        else:
+            self.exit_host, self.exit_states = None, engine._alloc(shape)
+        self.lower_len = self.upper_len = 0  # valid positions in each KV cache
+        self.draft_len = 0  # positions the draft graph's adapter has seen
+        self.tokens = []  # the token at each position lower has run
+
+    def rollback(self, length: int):
+        """Forget every position from `length` on, in both halves. Nothing is copied."""
+        self.lower_len = min(self.lower_len, length)
+        self.upper_len = min(self.upper_len, length)
+        self.draft_len = min(self.draft_len, length)
+
+    def cached_tokens(self) -> list:
+        """The tokens whose KV both halves hold: a prompt sharing them may skip them."""
+        return self.tokens[:min(self.lower_len, self.upper_len)]
+
+
+class _BatchGraphs:
+    """The batch graphs' sessions (lower_x{slots} and upper_x{slots}, loaded when a batch
+    of that size first runs), their calls by rows, and the packed row buffers."""
+
+    def __init__(self, engine: Engine):
+        self.artifact, self.provider = engine.artifact, engine.provider
+        self.sessions, self.calls = {}, {}
+        shape = [CHUNK, engine.hidden_size]
+        self.exit_host, self.final_host = (_host_array(shape, engine.dtype) for _ in range(2))
+        self.exit = ort.OrtValue.ortvalue_from_numpy(self.exit_host[None])
+        self.final = ort.OrtValue.ortvalue_from_numpy(self.final_host[None])
+        # idle slots: a cache of two positions, written and never read
+        self.scratch = engine._alloc([1] + engine.kv_shape[1:2] + [2] + engine.kv_shape[3:])
+
+    def session(self, engine, graph, slots):
+        key = (graph, slots)
+        if key not in self.sessions:
+            path = self.artifact.batch_graph(graph, slots)
+            try:
+                self.sessions[key] = ort.InferenceSession(
+                    str(path), _session_options(engine._threads), providers=[self.provider])
+            except Exception as e:  # ORT raises its own types for bad graphs and data
+                raise EdgespecError(f"cannot load {path}: {e}") from e
+        return self.sessions[key]
+
+    def call(self, engine, graph, slots, rows) -> "_BatchCall":
+        key = (graph, slots, rows)
+        if key not in self.calls:
+            self.calls[key] = _BatchCall(self, self.session(engine, graph, slots), graph,
+                                         slots, rows, engine.hidden_size, engine.dtype)
+        return self.calls[key]
+
+
+_UNBOUND = object()
+
+
+class _BatchCall(_Call):
+    """A batch graph bound for `rows` packed rows; the slots' KV are bound to the sequences
+    in them (rebound when the batch's members change)."""
+
+    def __init__(self, batch, session, graph, slots, rows, hidden, dtype):
+        binding = session.io_binding()
+        host = {"slot_rows": np.zeros([slots], np.int64),
+                "seqlens_k": np.zeros([slots], np.int32),
+                "total_seq_len": np.zeros([slots], np.int32)}
+        if graph == "lower":
+            host["input_ids"] = np.zeros([1, rows], np.int64)
+        for name, array in host.items():
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+        shape, ptr = [1, rows, hidden], lambda v: v.data_ptr()
+        if graph == "lower":
+            binding.bind_output("exit_hidden", "cpu", 0, dtype, shape, ptr(batch.exit))
+        else:
+            binding.bind_input("exit_hidden", "cpu", 0, dtype, shape, ptr(batch.exit))
+            binding.bind_output("final_hidden", "cpu", 0, dtype, shape, ptr(batch.final))
+        super().__init__(session, binding, host)
+        self.scratch, self.slots = batch.scratch, slots
+        self.past = {}  # slot -> its past_* input names without the slot suffix
+        for i in session.get_inputs():
+            if i.name.startswith("past_"):
+                name, slot = i.name.rsplit(".", 1)
+                self.past.setdefault(int(slot), []).append(name)
+        self.members = [_UNBOUND] * slots  # the sequence bound in each slot (None: scratch)
+
+    def bind_sequences(self, sequences: list):
+        for slot in range(self.slots):
+            seq = sequences[slot] if slot < len(sequences) else None
+            if self.members[slot] is seq:
+                continue
+            for name in self.past[slot]:
+                value = self.scratch if seq is None else seq.kv[name]
+                self.binding.bind_ortvalue_input(f"{name}.{slot}", value)
+                self.binding.bind_ortvalue_output(f"{name.replace('past_', 'present_')}.{slot}",
+                                                  value)
+            self.members[slot] = seq
+
+
+def batch_round_costs(engine: Engine, cached=200, repeat=9) -> dict:
+    """Median ms of one round of a batch: {slots: {rows: ms}}, each of `slots` sequences
+    verifying rows // slots rows after `cached` positions (lower, upper and head on them)."""
+    cached = min(cached, engine.max_context // 2)
+    sequences = [engine.new_sequence() for _ in range(max(BATCH_SLOTS))]
+    ids = [i % engine.vocab_size for i in range(cached + max(BATCH_ROWS))]
+    for seq in sequences:
+        for first in range(0, cached, CHUNK):
+            engine.forward([(seq, first, ids[first:min(cached, first + CHUNK)])])
+    costs = {}
+    for slots in BATCH_SLOTS:
+        costs[slots] = {}
+        for each in (r for r in BATCH_ROWS if slots * r <= CHUNK and cached + r < engine.max_context):
+            parts = [(seq, cached, ids[cached:cached + each]) for seq in sequences[:slots]]
+            times = []
+            for _ in range(repeat):
+                start = time.perf_counter()
+                engine.forward(parts)
+                engine.head_rows(range(slots * each))
+                times.append(time.perf_counter() - start)
+            costs[slots][slots * each] = 1e3 * statistics.median(times)
+    return costs
+
+
+def _host_array(shape, dtype, align=64) -> np.ndarray:
+    """A zeroed host array aligned as ONNX Runtime aligns its own buffers."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.zeros(size + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + size].view(dtype).reshape(shape)
 
 
 def _chunks(ids):

@@ -16,6 +16,7 @@ the best k, none when no k beats a plain step. Its drafts depend on the texts al
 clock noise. The rates start afresh with each text; the replies are remembered (the latest
 MEMORY_TOKENS tokens of them) for the texts after.
 """
+import copy
 import itertools
 from collections import deque
 from dataclasses import dataclass
@@ -150,6 +151,15 @@ class PromptLookup(Drafter):
         self.memory = Memory()
         self.text, self.prompt_len = [], None
 
+    def for_text(self):
+        twin = copy.copy(self)  # the same memory of replies; a text and rates of its own
+        twin.text, twin.prompt_len = [], None
+        twin.new_text()
+        return twin
+
+    def end_text(self):
+        self.new_text()  # remembers the reply
+
     def new_text(self, sampled: bool = False):
         if self.prompt_len is not None:
             self.memory.remember(self.text[self.prompt_len:])
@@ -159,6 +169,16 @@ class PromptLookup(Drafter):
         self.prior = PRIOR_SAMPLED if sampled else PRIOR
 
     def offer(self, history, budget):
+        match, budget = self.match(history, budget)
+        if not budget:
+            return None
+        if not self.adaptive:
+            return Offer(self, budget, plan=(match, []))
+        return self.plan(match, budget)
+
+    def match(self, history, budget):
+        """The longest match of the history's end (None if none) and the most drafts it can
+        give within `budget`."""
         if self.prompt_len is None:
             self.prompt_len = len(history) - 1  # the first offer follows the first token
         indexed = len(self.text)
@@ -167,11 +187,18 @@ class PromptLookup(Drafter):
         match = max((m for m in (self.index.match(self.text), self.memory.index.match(self.text))
                      if m), key=lambda m: m.length, default=None)  # ties: this text's
         if match is None:
-            return None
-        budget = min(budget, self.k_max, len(match.text) - match.position)
-        if not self.adaptive:
-            return Offer(self, budget, plan=(match, [])) if budget else None
-        return self.plan(match, budget)
+            return None, 0
+        return match, min(budget, self.k_max, len(match.text) - match.position)
+
+    def candidates(self, history, budget):
+        match, budget = self.match(history, budget)
+        if not budget:
+            return [], [], None
+        keys = match.keys(budget)
+        chances = list(itertools.accumulate((self.rate(key) for key in keys),
+                                            lambda chain, rate: chain * rate))
+        return match.continuation(budget), chances, \
+            lambda k: Offer(self, k, plan=(match, keys[:k]))
 
     def rate(self, key) -> float:
         """How often such a draft token was accepted: the prior, then this text's rounds."""

@@ -3,6 +3,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .artifact import open_artifact
+from .batch import Batch
 from .decoder import Decoder, drafters_for
 from .drafter import Pace
 from .engine import ContextFull, Engine
@@ -10,8 +11,8 @@ from .errors import EdgespecError
 from .sampling import Sampler
 from .settings import DraftPolicy, Settings
 from .stats import DecodeStats
-from .stops import StopScanner
-from .tokenizer import StreamDecoder, TextCodec
+from .reply import Reply
+from .tokenizer import TextCodec
 
 
 @dataclass
@@ -47,15 +48,6 @@ class Generation:
         """Its headline numbers, as phrases (chat, the desktop app)."""
         return [f"{self.n_generated} tokens", f"{self.decode_tokens_per_s:.1f} tokens/s",
                 *(self.stats.brief() or [self.mode])]
-
-
-@dataclass
-class Piece:
-    """A piece of streamed text. drafted: a token of it came from an accepted draft;
-    generated: tokens generated so far (for usage counts when a client stops early)."""
-    text: str
-    drafted: bool = False
-    generated: int = 0
 
 
 class StopReply(Exception):
@@ -115,6 +107,7 @@ class Model:
     def __init__(self, path, device: str = "auto", threads: int = None, verify: bool = True):
         self.artifact = open_artifact(path, verify=verify)
         self.engine = Engine(self.artifact, device=device, threads=threads)
+        self.sequence = self.engine.seq  # the one the single-reply methods use (chat's cache)
         self.codec = TextCodec.for_artifact(self.artifact)
         self.stop_ids = set(self.artifact.eos_token_ids)
         self.sampling = self.artifact.sampling  # settings a call does not give come from here
@@ -177,45 +170,26 @@ class Model:
         same conversation sent afresh. Without reuse_cache every call starts from an empty
         cache."""
         self._check_prompt(prompt_ids)
+        self.engine.use(self.sequence)
         start = time.perf_counter()
         first_logits, reused = self._prefill(prompt_ids, reuse_cache)
         prefill_s = time.perf_counter() - start
         decoder = self._decoder(settings)
-        history, stream = list(prompt_ids), StreamDecoder(self.codec)
-        stops = StopScanner(settings.stop)
-        tokens, finish, texts = [], None, []
-        stop_ids = set() if settings.ignore_eos else self.stop_ids
-        drafted = False  # of the tokens whose text is still held (an incomplete character)
+        history, reply = list(prompt_ids), self._reply(settings)
         try:
-            for token, was_draft in _tokens(decoder.rounds(first_logits, history,
-                                                           settings.max_new_tokens)):
-                tokens.append(token)
-                if token in stop_ids:
-                    finish = "stop"
-                    break
-                drafted |= was_draft
-                text = stops.feed(stream.push(token))
-                if text:
-                    texts.append(text)
-                    yield Piece(text, drafted=drafted, generated=len(tokens))
-                    drafted = False
-                if stops.stopped:
-                    finish = "stop"
-                    break
-                if len(tokens) == settings.max_new_tokens:
-                    finish = "length"
+            for committed in decoder.rounds(first_logits, history, settings.max_new_tokens):
+                for piece in reply.add(committed):
+                    yield piece
+                if reply.finish:
                     break
         except ContextFull:
-            finish = "context_full"
+            reply.finish = "context_full"
         except StopReply:
-            finish = "cancelled"
-        held = stops.flush() if not stops.stopped and finish != "cancelled" else ""
-        if held:  # the end of the reply began like a stop string but was not one
-            yield Piece(held, generated=len(tokens))
+            reply.finish = "cancelled"
+        yield from reply.close()
         decode_s = time.perf_counter() - start - prefill_s
-        text = "".join(texts) if stops.stopped else self.codec.decode(tokens)
-        return Generation(text, tokens, len(prompt_ids), prefill_s, decode_s, settings.mode,
-                          finish or "length", decoder.stats,
+        return Generation(reply.text, reply.tokens, len(prompt_ids), prefill_s, decode_s,
+                          settings.mode, reply.finish, decoder.stats,
                           n_prefilled=len(prompt_ids) - reused,
                           sampling={**asdict(settings.sampling), "seed": decoder.sampler.seed})
 
@@ -227,17 +201,55 @@ class Model:
             for drafter in drafters:
                 drafter.forget()
 
-    def _decoder(self, settings) -> Decoder:
+    def batch(self, parallel: int) -> Batch:
+        """Replies decoded together, `parallel` at a time (1 to 8), each bit for bit the
+        reply it gets alone: add token ids with their Settings (`settings(...)`), then
+        iterate `run()` for (member, Piece) pairs; each Member's `result` is its Generation.
+        Its KV caches (engine.sequence_bytes each) are allocated now."""
+        return Batch(self, parallel)
+
+    def generate_many(self, prompts: list, parallel: int = 4, raw: bool = False,
+                      system: str = None, on_text=None, **options) -> list:
+        """Reply to several prompts, `parallel` at a time: their Generations, in order.
+        on_text(index, text) gets each reply's text pieces as they are decoded."""
+        settings = self.settings(**options)
+        batch = self.batch(parallel)
+        members = [batch.add(self.encode(prompt, raw, system), settings) for prompt in prompts]
+        for member, piece in batch.run():
+            if on_text:
+                on_text(member.index, piece.text)
+        return [m.result for m in members]
+
+    def _decoder(self, settings, own_text: bool = False) -> Decoder:
         """The decode loop for these settings: the draft policy's drafters (none for plain
         decoding), those of earlier generations with this policy, so that what they measured
-        of the model carries over."""
+        of the model carries over. own_text: for a reply decoded beside others, with
+        drafters that keep its text's state apart."""
         policy = settings.draft
         if policy not in self._by_policy:
             pace = Pace(self.artifact.manifest.get("round_costs"))
             self._by_policy[policy] = pace, drafters_for(policy, self.engine, pace)
         pace, drafters = self._by_policy[policy]
+        if settings.mode != "speculative":
+            drafters = []
+        elif own_text:
+            drafters = [d.for_text() for d in drafters]
         return Decoder(self.engine, Sampler(settings.sampling, self.engine.top_logits),
-                       drafters if settings.mode == "speculative" else [], pace)
+                       drafters, pace)
+
+    def _reply(self, settings) -> Reply:
+        return Reply(self.codec, settings, self.stop_ids)
+
+    def _generation(self, member, finish) -> Generation:
+        """A batch member's Generation: prefill is its time from taking a place to its first
+        token, decode the rest."""
+        now, began = time.perf_counter(), member.started_at or member.queued_at
+        first = member.first_token_at or now
+        settings, decoder = member.settings, member.decoder
+        return Generation(member.reply.text, member.reply.tokens, len(member.prompt),
+                          first - began, now - first, settings.mode, finish, decoder.stats,
+                          n_prefilled=member.prefilled,
+                          sampling={**asdict(settings.sampling), "seed": decoder.sampler.seed})
 
     def _prefill(self, prompt_ids, reuse_cache):
         """Logits after the prompt, and how many of its tokens the cache already held."""
@@ -264,14 +276,6 @@ class Model:
             raise EdgespecError(f"the prompt has {len(prompt_ids)} tokens but the artifact's "
                                 f"context is {limit}; shorten the prompt or export with a "
                                 "larger --max-context")
-
-
-def _tokens(rounds):
-    """(token, whether it was an accepted draft) for every token the rounds commit: all but
-    a round's last are drafts."""
-    for committed in rounds:
-        for i, token in enumerate(committed):
-            yield token, i < len(committed) - 1
 
 
 def load(path, device: str = "auto", threads: int = None, verify: bool = True) -> Model:

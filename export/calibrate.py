@@ -126,12 +126,19 @@ def measure(artifact_dir, policies: list, prompts: list, log=print) -> list:
 
 
 def round_costs(artifact_dir) -> dict:
-    """What a round through lower, upper and head costs here by rows, in plain steps
-    (`edgespec bench`'s table): the scheduler plans lookup's draft lengths on it."""
+    """What a round through lower, upper and head costs here by rows, in plain steps, for
+    one sequence (`edgespec bench`'s table: lookup plans its draft lengths on it) and for
+    batches of sequences (the batch planner's): the manifest's fields."""
     import edgespec
+    from edgespec.engine import batch_round_costs
 
-    ms = edgespec.load(artifact_dir, threads=2, verify=False).engine.round_costs()
-    return {str(rows): round(cost / ms[1], 3) for rows, cost in ms.items()}
+    engine = edgespec.load(artifact_dir, threads=2, verify=False).engine
+    ms = engine.round_costs()
+    batches = batch_round_costs(engine)
+    return {"round_costs": {str(rows): round(cost / ms[1], 3) for rows, cost in ms.items()},
+            "batch_round_costs": {str(slots): {str(rows): round(cost / ms[1], 3)
+                                               for rows, cost in by_rows.items()}
+                                  for slots, by_rows in batches.items()}}
 
 
 def plain_token_seconds(artifact_dir, prompt) -> float:

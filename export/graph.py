@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from edgespec.artifact import PAD_ROWS
+from edgespec.artifact import PAD_ROWS, batch_name
 
 from .gptq import gptq_int4
 from .quantize import BLOCK, quantize_int4, quantize_int8
@@ -41,6 +41,7 @@ class Graph:
         self.nodes, self.inputs, self.outputs = [], [], []
         self.initializers = {}  # name -> numpy array (names are shared across graphs)
         self.block_sums = {}  # input name -> its block sums, for int4 offsets
+        self.shares_weights = False  # a batch graph: every weight is another graph's
         self._count = 0
 
     def input(self, name, elem, shape):
@@ -178,7 +179,9 @@ class Blocks:
                                  packed]) for x, name in ((q, "q_norm"), (k, "k_norm")))
         return g.op("Concat", [q, k, v], axis=-1)
 
-    def attention(self, g, x, layer, seqlens_k, total_len, cos, sin):
+    def attention(self, g, x, layer, lengths, cos, sin):
+        """Self-attention of each sequence's rows (`lengths.slots` of them, packed in x in
+        slot order): one GroupQueryAttention per sequence on its own KV cache."""
         a, p = self.arch, f"model.layers.{layer}.self_attn."
         qkv_w = self.linear_weight(layer, "qkv")
         qkv_b = (np.concatenate([self.w[p + f"{m}_proj.bias"] for m in "qkv"])
@@ -194,19 +197,26 @@ class Blocks:
         width = qkv_w.shape[0]
         pad = g.weight(f"pad_row_{width}", np.zeros([1, PAD_ROWS, width], g.dtype))
         kv_shape = [1, a.num_kv_heads, "cache_len", a.head_dim]
-        past_k = g.input(f"past_key.{layer}", g.dtype, kv_shape)
-        past_v = g.input(f"past_value.{layer}", g.dtype, kv_shape)
-        out, present_k, present_v = g.op(
-            "GroupQueryAttention", [g.op("Concat", [qkv, pad], axis=1), "", "", past_k, past_v,
-                                    seqlens_k, total_len, cos, sin],
-            outputs=[f"attn_{layer}", f"present_key.{layer}", f"present_value.{layer}"],
-            domain=MS, num_heads=a.num_heads, kv_num_heads=a.num_kv_heads, do_rotary=1,
-            rotary_interleaved=0, local_window_size=self._window(layer), **scale)
-        g.outputs += [helper.make_tensor_value_info(name, ONNX_DTYPE[g.dtype], kv_shape)
-                      for name in (present_k, present_v)]
-        unpadded = g.op("Slice", [out, g.weight("zero", np.array([0])),
-                                  g.weight("minus_pad", np.array([-PAD_ROWS])),
-                                  g.weight("axis_1", np.array([1]))])
+        pieces = [qkv] if lengths.slots == 1 else \
+            g.op("Split", [qkv, lengths.rows], n_out=lengths.slots, axis=1)
+        outs = []
+        for slot, piece in enumerate(pieces):
+            suffix = lengths.suffix(slot)
+            past_k = g.input(f"past_key.{layer}{suffix}", g.dtype, kv_shape)
+            past_v = g.input(f"past_value.{layer}{suffix}", g.dtype, kv_shape)
+            out, present_k, present_v = g.op(
+                "GroupQueryAttention", [g.op("Concat", [piece, pad], axis=1), "", "", past_k,
+                                        past_v, *lengths.each[slot], cos, sin],
+                outputs=[f"attn_{layer}{suffix}", f"present_key.{layer}{suffix}",
+                         f"present_value.{layer}{suffix}"],
+                domain=MS, num_heads=a.num_heads, kv_num_heads=a.num_kv_heads, do_rotary=1,
+                rotary_interleaved=0, local_window_size=self._window(layer), **scale)
+            g.outputs += [helper.make_tensor_value_info(name, ONNX_DTYPE[g.dtype], kv_shape)
+                          for name in (present_k, present_v)]
+            outs.append(g.op("Slice", [out, g.weight("zero", np.array([0])),
+                                       g.weight("minus_pad", np.array([-PAD_ROWS])),
+                                       g.weight("axis_1", np.array([1]))]))
+        unpadded = outs[0] if len(outs) == 1 else g.op("Concat", outs, axis=1)
         return self.linear(g, unpadded, f"layers.{layer}.o", self.linear_weight(layer, "o"))
 
     def sliding(self, layer) -> bool:
@@ -228,7 +238,7 @@ class Blocks:
         return self.linear(g, g.op("Mul", [act, up]), f"layers.{layer}.down",
                            self.linear_weight(layer, "down"))
 
-    def layers(self, g, hidden, first, last, seqlens_k, total_len):
+    def layers(self, g, hidden, first, last, lengths):
         """Decoder layers [first, last) on the residual stream; returns the new stream."""
         a, rotary = self.arch, {}
         for layer in range(first, last):  # Gemma's local layers have a rotary base of their own
@@ -243,7 +253,7 @@ class Blocks:
             p = f"model.layers.{layer}."
             if mlp_out is not None:
                 x, residual = self.skip_rms_norm(g, mlp_out, residual, p + "input_layernorm")
-            attn = self.attention(g, x, layer, seqlens_k, total_len, *rotary[self.local_rope(layer)])
+            attn = self.attention(g, x, layer, lengths, *rotary[self.local_rope(layer)])
             if a.sandwich_norms:  # Gemma: norm after attention, then before and after the MLP
                 attn = self.rms_norm(g, attn, p + "post_attention_layernorm")
             x, residual = self.skip_rms_norm(g, attn, residual, p + (
@@ -344,24 +354,46 @@ def llama3_inv_freq(inv_freq, scaling):
     return np.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
-def _length_inputs(g):
-    return (g.input("seqlens_k", np.int32, [1]), g.input("total_seq_len", np.int32, []))
+class Lengths:
+    """The inputs that say where each sequence's rows are. One sequence: seqlens_k [1] and
+    total_seq_len [] as GroupQueryAttention takes them. Several (a batch graph): the rows,
+    packed in slot order, and both lengths per slot ([slots] each); each slot has its own
+    KV inputs (past_key.{layer}.{slot})."""
+
+    def __init__(self, g, slots=1):
+        self.slots = slots
+        if slots == 1:
+            self.each = [(g.input("seqlens_k", np.int32, [1]),
+                          g.input("total_seq_len", np.int32, []))]
+            return
+        self.rows = g.input("slot_rows", np.int64, [slots])
+        seqlens_k = g.input("seqlens_k", np.int32, [slots])
+        total = g.input("total_seq_len", np.int32, [slots])
+        self.each = [(g.op("Slice", [seqlens_k, g.weight(f"slot_{s}", np.array([s])),
+                                     g.weight(f"slot_{s + 1}", np.array([s + 1]))]),
+                      g.op("Gather", [total, g.weight(f"slot_index_{s}", np.array(s))], axis=0))
+                     for s in range(slots)]
+
+    def suffix(self, slot) -> str:
+        return "" if self.slots == 1 else f".{slot}"
 
 
-def build_lower(blocks: Blocks, exit_layer: int, dtype) -> Graph:
-    g = Graph("lower", dtype)
+def build_lower(blocks: Blocks, exit_layer: int, dtype, slots=1) -> Graph:
+    g = Graph(batch_name("lower", slots), dtype)
+    g.shares_weights = slots > 1
     ids = g.input("input_ids", np.int64, [1, "seq"])
-    seqlens_k, total_len = _length_inputs(g)
-    hidden = blocks.layers(g, blocks.embedding(g, ids), 0, exit_layer, seqlens_k, total_len)
+    lengths = Lengths(g, slots)
+    hidden = blocks.layers(g, blocks.embedding(g, ids), 0, exit_layer, lengths)
     g.output(hidden, "exit_hidden", g.dtype, [1, "seq", blocks.arch.hidden_size])
     return g
 
 
-def build_upper(blocks: Blocks, exit_layer: int, dtype) -> Graph:
-    g = Graph("upper", dtype)
+def build_upper(blocks: Blocks, exit_layer: int, dtype, slots=1) -> Graph:
+    g = Graph(batch_name("upper", slots), dtype)
+    g.shares_weights = slots > 1
     hidden = g.input("exit_hidden", dtype, [1, "seq", blocks.arch.hidden_size])
-    seqlens_k, total_len = _length_inputs(g)
-    out = blocks.layers(g, hidden, exit_layer, blocks.arch.num_layers, seqlens_k, total_len)
+    lengths = Lengths(g, slots)
+    out = blocks.layers(g, hidden, exit_layer, blocks.arch.num_layers, lengths)
     g.output(out, "final_hidden", g.dtype, [1, "seq", blocks.arch.hidden_size])
     return g
 
@@ -373,9 +405,8 @@ def build_draft(blocks: Blocks, adapter: bool, vocab, dtype) -> Graph:
     g = Graph("draft", dtype)
     hidden = g.input("exit_hidden", dtype, [1, "seq", blocks.arch.hidden_size])
     if adapter:
-        seqlens_k, total_len = _length_inputs(g)
         n = blocks.arch.num_layers
-        hidden = blocks.layers(g, hidden, n, n + 1, seqlens_k, total_len)
+        hidden = blocks.layers(g, hidden, n, n + 1, Lengths(g))
     last = g.op("Gather", [hidden, g.weight("last_row", np.array([-1]))], axis=1)
     logits = blocks.lm_head(g, blocks.rms_norm(g, last, "model.norm"), vocab)
     size = blocks.arch.vocab_size if vocab is None else len(vocab)

@@ -12,7 +12,7 @@ import onnxruntime as ort
 from edgespec import __version__
 from edgespec.errors import EdgespecError
 
-from edgespec.artifact import DRAFT_VOCAB
+from edgespec.artifact import BATCH_SLOTS, DRAFT_VOCAB
 
 from . import fidelity, quality
 from .calibrate import ADAPTIVE, calibrate_draft, instructions, round_costs
@@ -201,7 +201,7 @@ def _measure(artifact, source, partial, plan, log):
     manifest's fields."""
     if plan.device == "cpu" or "CUDAExecutionProvider" in ort.get_available_providers():
         log("measuring what verifying more rows at once costs here ...")
-        artifact.fields["round_costs"] = round_costs(partial)
+        artifact.fields.update(round_costs(partial))
     log("measuring quality against the full-precision model ...")
     artifact.fields["quality"] = quality.measure(source, partial, plan.max_context)
     log("measuring fidelity: greedy answers against the full-precision model's ...")
@@ -230,6 +230,10 @@ class ArtifactBuilder:
                                build_upper(blocks, exit_layer, self.dtype),
                                build_head(blocks, self.dtype)]
                 bar.update(1)
+            blocks.on_layer = lambda: None
+            # the same layers for several sequences at once (their weights stored once)
+            self.graphs += [build(blocks, exit_layer, self.dtype, slots)
+                            for slots in BATCH_SLOTS for build in (build_lower, build_upper)]
             self.exit_layer = exit_layer
         graphs = list(self.graphs)
         for name in (DRAFT_VOCAB, "draft.onnx", "draft.data"):

@@ -39,9 +39,11 @@ def write_graphs(graphs, out: Path):
 
 
 def _write_graph(g, out, stored, bar):
-    location = f"{g.name}.data"
+    """graph.onnx, and graph.data for the weights no graph before it stored (a batch graph,
+    whose weights are all another's, has none)."""
+    location, data = f"{g.name}.data", None
     initializers = []
-    with open(out / location, "wb") as data:
+    try:
         for name, array in g.initializers.items():
             bar.update(array.nbytes)
             if array.dtype == np.int64:  # shape constants stay inline for shape inference
@@ -52,11 +54,17 @@ def _write_graph(g, out, stored, bar):
                 if memoryview(first).cast("B") != memoryview(array).cast("B"):  # no copies
                     raise ValueError(f"tensor {name} differs between graphs")
             else:
+                data = data or open(out / location, "wb")
                 data.write(b"\0" * (-data.tell() % ALIGN))
                 loc, offset = location, data.tell()
                 data.write(memoryview(array).cast("B"))
                 stored[name] = (loc, offset, array)
             initializers.append(_external(name, array, loc, offset))
+    finally:
+        if data:
+            data.close()
+        elif not g.shares_weights:  # the runtime's file list names every graph's data file
+            (out / location).write_bytes(b"")
     onnx.save_model(g.model(initializers), out / f"{g.name}.onnx")
 
 

@@ -12,7 +12,7 @@ from onnx import numpy_helper
 from edgespec.engine import PAD_ROWS, _session_options
 from edgespec.export.adapter import (AdapterLayer, agreement, collect, distill_loss,
                                      head_weights, layer_weights, train)
-from edgespec.export.graph import Blocks, Graph
+from edgespec.export.graph import Blocks, Graph, Lengths
 from edgespec.export.pipeline import export_model
 from edgespec.export.source import Architecture, load_source
 
@@ -83,8 +83,7 @@ def onnx_layer(arch, weights, layer, hidden, max_context=64):
     """The exported math of one layer: export.graph's Blocks, run by ONNX Runtime."""
     g = Graph("adapter")
     x = g.input("hidden", np.float32, [1, "seq", arch.hidden_size])
-    seqlens_k, total = g.input("seqlens_k", np.int32, [1]), g.input("total_seq_len", np.int32, [])
-    out = Blocks(arch, weights, "fp32", max_context).layers(g, x, layer, layer + 1, seqlens_k, total)
+    out = Blocks(arch, weights, "fp32", max_context).layers(g, x, layer, layer + 1, Lengths(g))
     g.output(out, "out", np.float32, [1, "seq", arch.hidden_size])
     model = g.model([numpy_helper.from_array(a, n) for n, a in g.initializers.items()])
     # the engine's options: the process has one ONNX Runtime thread pool once an engine ran

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 import edgespec
 import edgespec.export.graph
 import edgespec.export.quantize
+from edgespec.artifact import FORMAT_VERSION
 from edgespec.engine import COST_ROWS
 from edgespec.errors import EdgespecError
 from edgespec.export import fidelity
@@ -33,10 +34,13 @@ def external_tensors(artifact):
 def test_artifact_has_the_three_graphs_tokenizer_and_a_complete_manifest(tiny_int4):
     manifest = json.loads((tiny_int4 / "manifest.json").read_text())
     for name in ("lower.onnx", "upper.onnx", "head.onnx", "lower.data", "tokenizer.json",
-                 "chat_template.jinja"):
+                 "chat_template.jinja", "lower_x4.onnx", "upper_x8.onnx"):
         assert name in manifest["files"] and (tiny_int4 / name).is_file()
     assert set(manifest["files"]) == {p.name for p in tiny_int4.iterdir()} - {"manifest.json"}
-    assert manifest["format_version"] == 2 and manifest["precision"] == "int4"
+    assert not any(name.startswith(("lower_x", "upper_x")) and name.endswith(".data")
+                   for name in manifest["files"])  # the batch graphs' weights are lower's, upper's
+    assert manifest["format_version"] == FORMAT_VERSION and manifest["precision"] == "int4"
+    assert set(manifest["batch_round_costs"]) == {"2", "4", "8"}
     assert manifest["architecture"]["num_layers"] == 4
     assert 1 <= manifest["exit_layer"] < 4
     assert all(len(info["sha256"]) == 64 for info in manifest["files"].values())

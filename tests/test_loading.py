@@ -9,6 +9,7 @@ import pytest
 from helpers import one_error_line, rewrite_artifact_file, run_cli
 
 import edgespec
+from edgespec.artifact import FORMAT_VERSION
 from edgespec.errors import EdgespecError
 
 
@@ -60,7 +61,8 @@ def test_another_format_version_is_refused(artifact_copy):
 
 def test_a_format_version_that_is_not_an_integer_says_which_integer(artifact_copy):
     edit_manifest(artifact_copy, lambda m: m.update(format_version="2"))
-    with pytest.raises(EdgespecError, match='format_version is "2"; it must be the integer 2'):
+    with pytest.raises(EdgespecError,
+                       match=f'format_version is "2"; it must be the integer {FORMAT_VERSION}'):
         edgespec.load(artifact_copy)
 
 
@@ -141,6 +143,8 @@ FIELD_CASES = [
     ("files.head.data", {"bytes": 256, "sha256": 5}), ("chat_template", "missing.jinja"),
     ("round_costs", [1.0, 1.2]), ("round_costs", {"2": 1.2}), ("round_costs", {"1": 0}),
     ("round_costs", {"1": 1.0, "two": 1.2}), ("round_costs", {"1": 1.0, "2": "1.2"}),
+    ("batch_round_costs", {"3": {"3": 1.5}}), ("batch_round_costs", {"2": {"2": 0}}),
+    ("batch_round_costs", {"2": {}}), ("batch_round_costs", [1.5]),
     ("sampling", [0.8]), ("sampling", {"temperature": -1}), ("sampling", {"beams": 2}),
 ]
 

@@ -9,7 +9,7 @@ import pytest
 from helpers import make_checkpoint, quiet
 
 import edgespec
-from edgespec.decoder import Decoder
+from edgespec.decoder import Decoder, accept
 from edgespec.drafter import Pace
 from edgespec.early_exit import EarlyExit
 from edgespec.errors import EdgespecError
@@ -196,8 +196,7 @@ def test_lookup_drafts_accepted_as_point_masses_keep_the_verifiers_distribution(
     expected.update({(draft, int(t)): p[draft] * after[t] for t in np.flatnonzero(after)})
     n, counts = 20000, {}
     for seed in range(n):
-        decoder = Decoder(engine, Sampler(replace(params, seed=seed)), [], Pace())
-        path = tuple(decoder.accept([draft], logits, ids))
+        path = tuple(accept(Sampler(replace(params, seed=seed)), [draft], logits, ids))
         counts[path] = counts.get(path, 0) + 1
     assert_same_distribution(counts, expected, n)
 

@@ -1,0 +1,248 @@
+"""Many replies decoded together, each bit for bit the reply it gets alone.
+
+Each round runs the rows of every running sequence in one call of the batch graphs
+(Engine.forward): a sequence's last token and the drafts planned for it, or a chunk of its
+prompt. The batch graphs give every row the bits it gets when its sequence runs alone, and
+each reply draws from its own sampler, so a reply never depends on what runs beside it.
+
+One round of several sequences:
+1. plan:    each decoding sequence's drafts (from a drafter that drafts without the engine:
+            lookup) and the chance each is accepted; plan_drafts keeps those that give
+            the batch the most expected tokens per unit of the round's measured cost.
+2. forward: every sequence's rows in one call of lower and upper; head on the rows whose
+            logits are needed.
+3. accept:  per sequence, as alone (decoder.accept); its cache rolls back to what it kept.
+A sequence running alone runs the solo decode loop's rounds (decoder.py), early exit too.
+"""
+import time
+from collections import deque
+
+from .artifact import BATCH_SLOTS
+from .decoder import accept
+from .drafter import costs_by_rows
+from .engine import CHUNK, ContextFull
+from .errors import EdgespecError
+
+PROMPT_ROWS = 64  # prompt rows a sequence adds to a round while others decode
+MOST_PARALLEL = max(BATCH_SLOTS)
+
+
+def plan_drafts(chances: list, cost, base_rows: int) -> list:
+    """How many drafts each sequence verifies this round: the choice with the most expected
+    committed tokens per unit of round cost. chances[i][j]: the chance that sequence i's
+    drafts 0..j are all accepted (falling with j); cost(rows): a round's cost; base_rows:
+    the round's rows without drafts (a token for each of the len(chances) sequences, and
+    prompt chunks). Drafts are taken best first, so more rows only ever add the next best."""
+    ranked = sorted(((chance, -j, i) for i, row in enumerate(chances)
+                     for j, chance in enumerate(row)), reverse=True)
+    expected, rows = float(len(chances)), base_rows
+    best, taken = expected / cost(rows), 0
+    for n, (chance, _, _) in enumerate(ranked, 1):
+        expected, rows = expected + chance, rows + 1
+        if expected / cost(rows) > best:
+            best, taken = expected / cost(rows), n
+    counts = [0] * len(chances)
+    for _, _, i in ranked[:taken]:
+        counts[i] += 1
+    return counts
+
+
+class Member:
+    """One reply of a batch: its prompt, decode loop, text, and (once it ends) its result."""
+
+    def __init__(self, index, prompt_ids, settings, decoder, reply):
+        self.index, self.prompt, self.settings = index, list(prompt_ids), settings
+        self.decoder, self.reply = decoder, reply
+        self.history = list(prompt_ids)
+        self.seq = None  # its sequence in the engine while it runs
+        self.prefilled = 0  # prompt tokens in its cache
+        self.cancelled = False
+        self.result = None  # its Generation, once it ended
+        self.queued_at = time.perf_counter()
+        self.started_at = self.first_token_at = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt)
+
+    @property
+    def wanted(self) -> int:
+        """Tokens it may still commit."""
+        return self.settings.max_new_tokens - (len(self.history) - len(self.prompt))
+
+
+class Batch:
+    """Replies decoded together, at most `parallel` at a time; the rest wait in arrival
+    order and take a place as soon as one is free. Each place's KV cache is allocated when
+    the batch is made (engine.sequence_bytes each)."""
+
+    def __init__(self, model, parallel: int):
+        if not (isinstance(parallel, int) and 1 <= parallel <= MOST_PARALLEL):
+            raise EdgespecError(f"parallel must be an integer from 1 to {MOST_PARALLEL}, "
+                                f"not {parallel!r}")
+        self.model, self.engine, self.parallel = model, model.engine, parallel
+        self.free = [self.engine.new_sequence() for _ in range(parallel)]
+        self.waiting, self.running = deque(), []
+        self._count = 0
+        self.rounds = self.rows = 0  # rounds run and the rows they verified or prefilled
+        self.prompt_seconds = 0.0  # time in rounds that ran only prompt rows
+        measured = model.artifact.manifest.get("batch_round_costs", {})
+        self.costs = {int(slots): costs_by_rows({1: 1.0, **{int(r): c for r, c in by_rows.items()}},
+                                                CHUNK)
+                      for slots, by_rows in measured.items()}
+
+    def add(self, prompt_ids: list, settings) -> Member:
+        """Queue a reply to token ids: its Member, whose `result` is set when it ends."""
+        self.model._check_prompt(prompt_ids)
+        member = Member(self._count, prompt_ids, settings,
+                        self.model._decoder(settings, own_text=True),
+                        self.model._reply(settings))
+        self._count += 1
+        self.waiting.append(member)
+        return member
+
+    def cancel(self, member: Member):
+        """End a reply at the next round's start (finish "cancelled"), or drop it if it has
+        not started; the others go on unchanged."""
+        member.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def run(self):
+        """Rounds until every reply has ended: yields (member, Piece) as text arrives."""
+        while self.busy:
+            yield from self.step()
+
+    def step(self) -> list:
+        """One round: the (member, Piece) pairs of the text it produced. A member that
+        ended has its `result`."""
+        events = []
+        for member in [m for m in list(self.waiting) + self.running if m.cancelled]:
+            events += self._finish(member, "cancelled")
+        while self.waiting and self.free:
+            member = self.waiting.popleft()
+            member.seq, member.started_at = self.free.pop(), time.perf_counter()
+            member.seq.rollback(0)
+            self.running.append(member)
+        if len(self.running) == 1 and not self.running[0].prefilling:
+            return events + self._solo_round(self.running[0])
+        if self.running:
+            events += self._batch_round()
+        return events
+
+    def _solo_round(self, member) -> list:
+        self.engine.use(member.seq)
+        self.rounds += 1
+        try:
+            committed = member.decoder.round(member.history, member.wanted)
+        except ContextFull:
+            return self._finish(member, "context_full")
+        return self._commit(member, committed)
+
+    def _batch_round(self) -> list:
+        engine, events = self.engine, []
+        decoding = [m for m in self.running if not m.prefilling]
+        for m in [m for m in decoding if len(m.history) > engine.max_context]:
+            events += self._finish(m, "context_full")  # no room for the token it would feed
+            decoding.remove(m)
+        drafts, offers = self._plan(decoding)
+        rows = sum(1 + len(drafts[m]) for m in decoding)
+        prefilling = [m for m in self.running if m.prefilling]
+        parts, heads = [], {}  # heads: member -> its rows of the head call's logits
+        offset = 0
+        for m in self.running:
+            if m in drafts:
+                ids = [m.history[-1]] + drafts[m]
+                parts.append((m.seq, len(m.history) - 1, ids))
+                heads[m] = range(offset, offset + len(ids))
+            elif m in prefilling:
+                share = PROMPT_ROWS if decoding else CHUNK // len(prefilling)
+                n = engine.call_rows(m.prefilled, min(len(m.prompt) - m.prefilled, share,
+                                                      CHUNK - rows))
+                if n <= 0:
+                    continue
+                parts.append((m.seq, m.prefilled, m.prompt[m.prefilled:m.prefilled + n]))
+                m.prefilled += n
+                rows += n
+                if not m.prefilling:
+                    heads[m] = range(offset + n - 1, offset + n)
+            else:
+                continue
+            offset += len(parts[-1][2])
+        if not parts:
+            return events
+        began = time.perf_counter()
+        engine.forward(parts)
+        rows_wanted = [r for m in heads for r in heads[m]]
+        logits = dict(zip(rows_wanted, engine.head_rows(rows_wanted)))
+        seconds = time.perf_counter() - began
+        self.rounds, self.rows = self.rounds + 1, self.rows + offset
+        if not drafts:
+            self.prompt_seconds += seconds
+        for m, own in heads.items():
+            rows_of = [logits[r] for r in own]
+            if m not in drafts:  # its prompt is in: its first token
+                m.first_token_at = time.perf_counter()
+                events += self._commit(m, m.decoder.start(rows_of[0], m.history))
+                continue
+            committed = accept(m.decoder.sampler, drafts[m], rows_of, m.history)
+            m.seq.rollback(len(m.history) - 1 + len(committed))
+            offer = offers.get(m)
+            if offer is not None:
+                offer.drafter.observe(offer, len(drafts[m]), len(committed) - 1, seconds)
+            m.decoder.stats.record(offer and offer.drafter.name, len(drafts[m]),
+                                   len(committed) - 1)
+            m.decoder.stats.seconds["verify"] += seconds / len(heads)
+            m.history.extend(committed)
+            events += self._commit(m, committed)
+        return events
+
+    def _plan(self, decoding):
+        """The drafts of each decoding member this round, and the offers they came from."""
+        if not decoding:
+            return {}, {}
+        found = {}
+        share = CHUNK // max(1, len(decoding))  # every decoding member's rows fit one call
+        for m in decoding:
+            first = len(m.history) - 1
+            budget = min(m.decoder.budget(m.history, m.wanted), share - 1,
+                         self.engine.call_rows(first, share) - 1)
+            best = ([], [], None)
+            for drafter in m.decoder.drafters if budget else ():
+                tokens, chances, offer_for = drafter.candidates(m.history, budget)
+                if tokens:
+                    best = (tokens, chances, offer_for)
+                    break
+            found[m] = best
+        cost = self.costs.get(next(s for s in BATCH_SLOTS if s >= max(2, len(decoding))))
+        counts = [0] * len(decoding) if cost is None else plan_drafts(
+            [found[m][1] for m in decoding], lambda rows: cost[min(rows, CHUNK)],
+            len(decoding))
+        drafts, offers = {}, {}
+        for m, k in zip(decoding, counts):
+            tokens, _, offer_for = found[m]
+            drafts[m] = list(tokens[:k])
+            if k:
+                offers[m] = offer_for(k)
+        return drafts, offers
+
+    def _commit(self, member, committed) -> list:
+        events = [(member, piece) for piece in member.reply.add(committed)]
+        if member.reply.finish or member.wanted <= 0:
+            events += self._finish(member, member.reply.finish or "length")
+        return events
+
+    def _finish(self, member, finish) -> list:
+        """End a member's reply: its result, its place to the next in line."""
+        events = [(member, piece) for piece in member.reply.close(finish)]
+        if member in self.waiting:
+            self.waiting.remove(member)
+        if member in self.running:
+            self.running.remove(member)
+            self.free.append(member.seq)
+        for drafter in member.decoder.drafters:
+            drafter.end_text()
+        member.result = self.model._generation(member, finish)
+        return events
