@@ -564,8 +564,11 @@ def batch_round_costs(engine: Engine, cached=200, repeat=9) -> dict:
     sequences = [engine.new_sequence() for _ in range(max(BATCH_SLOTS))]
     ids = [i % engine.vocab_size for i in range(cached + max(BATCH_ROWS))]
     for seq in sequences:
-        for first in range(0, cached, CHUNK):
-            engine.forward([(seq, first, ids[first:min(cached, first + CHUNK)])])
+        first = 0
+        while first < cached:
+            count = engine.call_rows(first, cached - first)
+            engine.forward([(seq, first, ids[first:first + count])])
+            first += count
     costs = {}
     for slots in BATCH_SLOTS:
         costs[slots] = {}

@@ -6,11 +6,12 @@ import random
 
 import numpy as np
 import pytest
-from helpers import run_cli
+from helpers import make_checkpoint, quiet, run_cli
 
 import edgespec
 from edgespec.batch import plan_drafts
 from edgespec.errors import EdgespecError
+from edgespec.export.pipeline import export_model
 
 SAMPLINGS = [dict(temperature=0), dict(temperature=0.8, top_k=20, seed=1),
              dict(temperature=1.2, top_p=0.9, seed=7), dict(temperature=0.6, min_p=0.1, seed=3),
@@ -112,6 +113,37 @@ def test_every_reply_equals_its_solo_run(tiny_int4, parallel):
         assert (member.result.tokens, texts[member.index]) == solo_run(model, prompt, s)
         assert member.result.finish_reason == "length"
     assert sum(m.result.stats.drafted for m in members) > 0  # the batch rounds drafted
+
+
+def test_wide_heads_cross_the_gemm_cuts_as_alone(tmp_path):
+    """head_dim 256 (Gemma 3): rows given to a batch call in the pieces call_rows allows
+    never span a position where attention's scores GEMM changes its K slices
+    (engine.gemm_cuts), so they get their solo bits across position 63."""
+    checkpoint = make_checkpoint(tmp_path / "checkpoint", layers=2, head_dim=256)
+    export_model(str(checkpoint), tmp_path / "artifact", precision="fp32", exit_layer=1,
+                 log=quiet)
+    model = edgespec.load(tmp_path / "artifact")
+    engine = model.engine
+    prompts = prompts_for(model, 3, seed=12)
+    ids = [(p * 40)[:70] for p in prompts]
+    sequences = [engine.new_sequence() for _ in ids]
+    batched = [[] for _ in ids]
+    positions = [0] * len(ids)
+    while min(positions) < 70:  # each sequence in pieces of up to 12 rows
+        parts = []
+        for i, seq in enumerate(sequences):
+            count = engine.call_rows(positions[i], min(12, 70 - positions[i]))
+            parts.append((seq, positions[i], ids[i][positions[i]:positions[i] + count]))
+        engine.forward([p for p in parts if p[2]])
+        logits = iter(engine.head_rows(range(sum(len(p[2]) for p in parts))).copy())
+        for i, (_, first, rows) in enumerate(parts):
+            batched[i] += [next(logits) for _ in rows]
+            positions[i] += len(rows)
+    for i in range(len(ids)):
+        engine.use(engine.new_sequence())
+        for position, token in enumerate(ids[i]):
+            np.testing.assert_array_equal(engine.step(token), batched[i][position],
+                                          err_msg=f"sequence {i}, position {position}")
 
 
 def test_a_cancelled_reply_changes_no_other(tiny_int4):
