@@ -84,7 +84,6 @@ class Batch:
         self.free = [self.engine.new_sequence() for _ in range(parallel)]
         self.waiting, self.running = deque(), []
         self._count = 0
-        self.rounds = self.rows = 0  # rounds run and the rows they verified or prefilled
         self.prompt_seconds = 0.0  # time in rounds that ran only prompt rows
         measured = model.artifact.manifest.get("batch_round_costs", {})
         self.costs = {int(slots): costs_by_rows({1: 1.0, **{int(r): c for r, c in by_rows.items()}},
@@ -134,7 +133,6 @@ class Batch:
 
     def _solo_round(self, member) -> list:
         self.engine.use(member.seq)
-        self.rounds += 1
         try:
             committed = member.decoder.round(member.history, member.wanted)
         except ContextFull:
@@ -142,69 +140,69 @@ class Batch:
         return self._commit(member, committed)
 
     def _batch_round(self) -> list:
-        engine, events = self.engine, []
+        """Prompt chunks in one call (a member whose prompt is in gets its first token),
+        then a decoding round in another: decode time stays apart from prompt time."""
+        events, limit = [], self.engine.max_context
         decoding = [m for m in self.running if not m.prefilling]
-        for m in [m for m in decoding if len(m.history) > engine.max_context]:
+        for m in [m for m in decoding if len(m.history) > limit]:
             events += self._finish(m, "context_full")  # no room for the token it would feed
             decoding.remove(m)
-        drafts, offers = self._plan(decoding)
-        rows = sum(1 + len(drafts[m]) for m in decoding)
         prefilling = [m for m in self.running if m.prefilling]
-        parts, heads = [], {}  # heads: member -> its rows of the head call's logits
-        offset = 0
-        for m in self.running:
-            if m in drafts:
-                ids = [m.history[-1]] + drafts[m]
-                parts.append((m.seq, len(m.history) - 1, ids))
-                heads[m] = range(offset, offset + len(ids))
-            elif m in prefilling:
-                share = PROMPT_ROWS if decoding else CHUNK // len(prefilling)
-                n = engine.call_rows(m.prefilled, min(len(m.prompt) - m.prefilled, share,
-                                                      CHUNK - rows))
-                if n <= 0:
-                    continue
-                parts.append((m.seq, m.prefilled, m.prompt[m.prefilled:m.prefilled + n]))
-                m.prefilled += n
-                rows += n
-                if not m.prefilling:
-                    heads[m] = range(offset + n - 1, offset + n)
-            else:
-                continue
-            offset += len(parts[-1][2])
-        if not parts:
-            return events
-        began = time.perf_counter()
+        if prefilling:
+            began = time.perf_counter()
+            share = CHUNK // len(prefilling)  # all chunks fit one call
+            events += self._prompt_chunks(prefilling, min(share, PROMPT_ROWS) if decoding
+                                          else share)
+            self.prompt_seconds += time.perf_counter() - began
+        if decoding:
+            events += self._decode(decoding)
+        return events
+
+    def _prompt_chunks(self, members, share) -> list:
+        """The next `share` prompt rows of each member in one call."""
+        engine, parts, last_rows, offset = self.engine, [], {}, 0
+        for m in members:
+            n = engine.call_rows(m.prefilled, min(len(m.prompt) - m.prefilled, share))
+            parts.append((m.seq, m.prefilled, m.prompt[m.prefilled:m.prefilled + n]))
+            m.prefilled += n
+            offset += n
+            if not m.prefilling:
+                last_rows[m] = offset - 1
         engine.forward(parts)
-        rows_wanted = [r for m in heads for r in heads[m]]
-        logits = dict(zip(rows_wanted, engine.head_rows(rows_wanted)))
-        seconds = time.perf_counter() - began
-        self.rounds, self.rows = self.rounds + 1, self.rows + offset
-        if not drafts:
-            self.prompt_seconds += seconds
-        for m, own in heads.items():
-            rows_of = [logits[r] for r in own]
-            if m not in drafts:  # its prompt is in: its first token
-                m.first_token_at = time.perf_counter()
-                events += self._commit(m, m.decoder.start(rows_of[0], m.history))
-                continue
-            committed = accept(m.decoder.sampler, drafts[m], rows_of, m.history)
+        logits = engine.head_rows(list(last_rows.values()))
+        events = []
+        for m, row in zip(last_rows, logits):
+            m.first_token_at = time.perf_counter()
+            events += self._commit(m, m.decoder.start(row, m.history))
+        return events
+
+    def _decode(self, members) -> list:
+        """One round of every decoding member: its last token and its planned drafts."""
+        engine, timer = self.engine, time.perf_counter()
+        drafts, offers = self._plan(members)
+        parts = [(m.seq, len(m.history) - 1, [m.history[-1]] + drafts[m]) for m in members]
+        engine.forward(parts)
+        logits = iter(engine.head_rows(range(sum(len(ids) for _, _, ids in parts))))
+        seconds = time.perf_counter() - timer
+        events = []
+        for m in members:
+            rows = [next(logits) for _ in range(1 + len(drafts[m]))]
+            committed = accept(m.decoder.sampler, drafts[m], rows, m.history)
             m.seq.rollback(len(m.history) - 1 + len(committed))
             offer = offers.get(m)
             if offer is not None:
                 offer.drafter.observe(offer, len(drafts[m]), len(committed) - 1, seconds)
             m.decoder.stats.record(offer and offer.drafter.name, len(drafts[m]),
                                    len(committed) - 1)
-            m.decoder.stats.seconds["verify"] += seconds / len(heads)
+            m.decoder.stats.seconds["verify"] += seconds / len(members)
             m.history.extend(committed)
             events += self._commit(m, committed)
         return events
 
     def _plan(self, decoding):
         """The drafts of each decoding member this round, and the offers they came from."""
-        if not decoding:
-            return {}, {}
         found = {}
-        share = CHUNK // max(1, len(decoding))  # every decoding member's rows fit one call
+        share = CHUNK // len(decoding)  # every decoding member's rows fit one call
         for m in decoding:
             first = len(m.history) - 1
             budget = min(m.decoder.budget(m.history, m.wanted), share - 1,

@@ -416,6 +416,8 @@ class Engine:
         batch = self._batch_graphs()
         slots = next(s for s in BATCH_SLOTS if s >= len(parts))
         rows = sum(len(ids) for _, _, ids in parts)
+        if rows > CHUNK:
+            raise ValueError(f"{rows} rows do not fit one call ({CHUNK} at most)")
         for seq, first, ids in parts:
             if self.call_rows(first, len(ids)) < len(ids) or \
                     first > min(seq.lower_len, seq.upper_len):
