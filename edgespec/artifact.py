@@ -68,7 +68,6 @@ class Artifact:
         are the single-sequence graph's)."""
         return self.graph(batch_name(name, slots))
 
-
     def draft_vocab(self):
         """Token ids of the draft graph's shortlisted head (its logit i is token ids[i]),
         checked against the vocabulary when the artifact is opened; None without a draft graph."""

@@ -205,7 +205,7 @@ class Batch:
         share = CHUNK // len(decoding)  # every decoding member's rows fit one call
         for m in decoding:
             first = len(m.history) - 1
-            budget = min(m.decoder.budget(m.history, m.wanted), share - 1,
+            budget = min(m.decoder.budget(m.history, m.wanted),
                          self.engine.call_rows(first, share) - 1)
             best = ([], [], None)
             for drafter in m.decoder.drafters if budget else ():

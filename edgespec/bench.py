@@ -195,9 +195,8 @@ def _run_batch(model, prompts, mode, parallel) -> dict:
     own decode times, prefill apart)."""
     model.forget()  # nothing copied from an earlier pass
     if parallel == 1:
-        results, began = [], time.perf_counter()
-        for ids, settings in prompts:
-            results.append(model.generate_ids(ids, settings=settings.with_options(mode=mode)))
+        results = [model.generate_ids(ids, settings=settings.with_options(mode=mode))
+                   for ids, settings in prompts]
         decode_s = sum(g.decode_s for g in results)
     else:
         batch = model.batch(parallel)

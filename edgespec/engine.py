@@ -194,8 +194,8 @@ class Engine:
     def sequence_bytes(self) -> int:
         """The memory one sequence holds: its KV caches and exit states."""
         per_kv = int(np.prod(self.kv_shape)) * np.dtype(self.dtype).itemsize
-        layers = sum(len(self._past_names(s)) for s in self.sessions if s != "head")
-        return layers * per_kv + self.max_context * self.hidden_size * np.dtype(self.dtype).itemsize
+        buffers = sum(len(self._past_names(s)) for s in self.sessions if s != "head")
+        return buffers * per_kv + self.max_context * self.hidden_size * np.dtype(self.dtype).itemsize
 
     def use(self, seq: "Sequence"):
         """Make `seq` the sequence the single-sequence methods run on."""

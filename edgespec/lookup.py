@@ -195,10 +195,13 @@ class PromptLookup(Drafter):
         if not budget:
             return [], [], None
         keys = match.keys(budget)
-        chances = list(itertools.accumulate((self.rate(key) for key in keys),
-                                            lambda chain, rate: chain * rate))
-        return match.continuation(budget), chances, \
+        return match.continuation(budget), self.chances(keys), \
             lambda k: Offer(self, k, plan=(match, keys[:k]))
+
+    def chances(self, keys) -> list:
+        """For each draft, the chance that it and every draft before it are accepted."""
+        return list(itertools.accumulate((self.rate(key) for key in keys),
+                                         lambda chain, rate: chain * rate))
 
     def rate(self, key) -> float:
         """How often such a draft token was accepted: the prior, then this text's rounds."""
@@ -211,9 +214,8 @@ class PromptLookup(Drafter):
         """The offer of the k with the most expected committed tokens per unit of cost,
         None when none earns more than a plain step (1 token a step)."""
         keys = match.keys(budget)
-        best_k, best, expected, chain = 0, 1.0, 1.0, 1.0
-        for k, key in enumerate(keys, 1):
-            chain *= self.rate(key)  # the chance that the first k drafts are all accepted
+        best_k, best, expected = 0, 1.0, 1.0
+        for k, chain in enumerate(self.chances(keys), 1):
             expected += chain
             if expected / self.cost[k + 1] > best:
                 best_k, best = k, expected / self.cost[k + 1]
