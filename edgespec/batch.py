@@ -12,7 +12,8 @@ One round of several sequences:
 2. forward: every sequence's rows in one call of lower and upper; head on the rows whose
             logits are needed.
 3. accept:  per sequence, as alone (decoder.accept); its cache rolls back to what it kept.
-A sequence running alone runs the solo decode loop's rounds (decoder.py), early exit too.
+A sequence running alone runs as it does alone: its prompt in one prefill, then the solo
+decode loop's rounds (decoder.py), early exit too.
 """
 import time
 from collections import deque
@@ -50,12 +51,13 @@ def plan_drafts(chances: list, cost, base_rows: int) -> list:
 class Member:
     """One reply of a batch: its prompt, decode loop, text, and (once it ends) its result."""
 
-    def __init__(self, index, prompt_ids, settings, decoder, reply):
+    def __init__(self, index, prompt_ids, settings, decoder, reply, owner=None):
         self.index, self.prompt, self.settings = index, list(prompt_ids), settings
-        self.decoder, self.reply = decoder, reply
+        self.decoder, self.reply, self.owner = decoder, reply, owner
         self.history = list(prompt_ids)
         self.seq = None  # its sequence in the engine while it runs
         self.prefilled = 0  # prompt tokens in its cache
+        self.reused = 0  # of them, those its place's cache held already
         self.cancelled = False
         self.result = None  # its Generation, once it ended
         self.queued_at = time.perf_counter()
@@ -74,28 +76,37 @@ class Member:
 class Batch:
     """Replies decoded together, at most `parallel` at a time; the rest wait in arrival
     order and take a place as soon as one is free. Each place's KV cache is allocated when
-    the batch is made (engine.sequence_bytes each)."""
+    the batch is made (engine.sequence_bytes each).
+
+    A place keeps its cache after a reply: the next reply of the same owner that starts
+    with the same tokens (the next turn of a chat) runs only what follows them. Replies of
+    different owners share no cache and no memory of earlier replies."""
 
     def __init__(self, model, parallel: int):
         if not (isinstance(parallel, int) and 1 <= parallel <= MOST_PARALLEL):
             raise EdgespecError(f"parallel must be an integer from 1 to {MOST_PARALLEL}, "
                                 f"not {parallel!r}")
         self.model, self.engine, self.parallel = model, model.engine, parallel
-        self.free = [self.engine.new_sequence() for _ in range(parallel)]
+        # the model's own sequence is the first place: its memory is not held twice
+        self.free = [model.sequence] + [self.engine.new_sequence() for _ in range(parallel - 1)]
+        self.owners = {}  # place -> the owner whose tokens its cache holds
         self.waiting, self.running = deque(), []
         self._count = 0
         self.prompt_seconds = 0.0  # time in rounds that ran only prompt rows
+        self.rounds = self.rows = 0  # decoding rounds, and the rows they verified
+        self.committed = 0  # tokens committed, all replies
         measured = model.artifact.manifest.get("batch_round_costs", {})
         self.costs = {int(slots): costs_by_rows({1: 1.0, **{int(r): c for r, c in by_rows.items()}},
                                                 CHUNK)
                       for slots, by_rows in measured.items()}
 
-    def add(self, prompt_ids: list, settings) -> Member:
-        """Queue a reply to token ids: its Member, whose `result` is set when it ends."""
+    def add(self, prompt_ids: list, settings, owner=None) -> Member:
+        """Queue a reply to token ids: its Member, whose `result` is set when it ends. Only
+        replies of the same `owner` share cached prompts and remembered replies."""
         self.model._check_prompt(prompt_ids)
         member = Member(self._count, prompt_ids, settings,
-                        self.model._decoder(settings, own_text=True),
-                        self.model._reply(settings))
+                        self.model._decoder(settings, own_text=True, owner=owner),
+                        self.model._reply(settings), owner)
         self._count += 1
         self.waiting.append(member)
         return member
@@ -121,22 +132,53 @@ class Batch:
         for member in [m for m in list(self.waiting) + self.running if m.cancelled]:
             events += self._finish(member, "cancelled")
         while self.waiting and self.free:
-            member = self.waiting.popleft()
-            member.seq, member.started_at = self.free.pop(), time.perf_counter()
-            member.seq.rollback(0)
-            self.running.append(member)
-        if len(self.running) == 1 and not self.running[0].prefilling:
+            self._place(self.waiting.popleft())
+        if len(self.running) == 1:
             return events + self._solo_round(self.running[0])
         if self.running:
             events += self._batch_round()
         return events
 
+    def _place(self, member):
+        """Give a member the free place whose cache holds the longest start of its prompt
+        among its owner's, else the least recently used one."""
+        def shared(seq):
+            return seq.shared_prefix(member.prompt) if self.owners.get(seq) == member.owner \
+                else -1
+        seq = max(self.free, key=shared)
+        member.prefilled = member.reused = max(0, shared(seq))  # before the place changes hands
+        self.free.remove(seq)
+        self.owners[seq] = member.owner
+        seq.rollback(member.reused)
+        member.seq, member.started_at = seq, time.perf_counter()
+        self.running.append(member)
+
+    def clear(self) -> list:
+        """End every reply at once, without results (a round failed: the caches may be half
+        written); the members it ended. Every place starts empty again."""
+        ended = self.running + list(self.waiting)
+        self.free += [m.seq for m in self.running]
+        self.running, self.waiting = [], deque()
+        for seq in self.free:
+            seq.rollback(0)
+        self.owners.clear()
+        return ended
+
     def _solo_round(self, member) -> list:
+        """A round of the one running member, as when it decodes alone: its whole prompt
+        (nothing else waits on it), or a round of the solo decode loop."""
         self.engine.use(member.seq)
+        if member.prefilling:
+            logits = self.engine.prefill(member.prompt[member.prefilled:])
+            member.prefilled, member.first_token_at = len(member.prompt), time.perf_counter()
+            return self._commit(member, member.decoder.start(logits, member.history))
+        drafted = member.decoder.stats.drafted
         try:
             committed = member.decoder.round(member.history, member.wanted)
         except ContextFull:
             return self._finish(member, "context_full")
+        self.rounds += 1
+        self.rows += 1 + member.decoder.stats.drafted - drafted
         return self._commit(member, committed)
 
     def _batch_round(self) -> list:
@@ -182,8 +224,10 @@ class Batch:
         drafts, offers = self._plan(members)
         parts = [(m.seq, len(m.history) - 1, [m.history[-1]] + drafts[m]) for m in members]
         engine.forward(parts)
-        logits = iter(engine.head_rows(range(sum(len(ids) for _, _, ids in parts))))
+        rows = sum(len(ids) for _, _, ids in parts)
+        logits = iter(engine.head_rows(range(rows)))
         seconds = time.perf_counter() - timer
+        self.rounds, self.rows = self.rounds + 1, self.rows + rows
         events = []
         for m in members:
             rows = [next(logits) for _ in range(1 + len(drafts[m]))]
@@ -227,6 +271,7 @@ class Batch:
         return drafts, offers
 
     def _commit(self, member, committed) -> list:
+        self.committed += len(committed)
         events = [(member, piece) for piece in member.reply.add(committed)]
         if member.reply.finish or member.wanted <= 0:
             events += self._finish(member, member.reply.finish or "length")

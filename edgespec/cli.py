@@ -35,10 +35,10 @@ def _artifact_command(sub, common, name, help, description):
     return p
 
 
-def _load(args):
+def _load(args, max_context=None):
     from .model import load
     return load(args.artifact, device=args.device, threads=args.threads,
-                verify=not args.no_verify)
+                verify=not args.no_verify, max_context=max_context)
 
 
 def _export_args(sub, common):
@@ -293,12 +293,23 @@ def _serve_args(sub, common):
     p = _artifact_command(sub, common, "serve", "OpenAI-compatible HTTP server and chat page",
                           "Serve a chat page at /, POST /v1/chat/completions, POST "
                           "/v1/completions (streaming or not), GET /v1/models, /health and "
-                          "/metrics (Prometheus). One engine serves requests in turn; a full "
-                          "queue answers 503 with Retry-After.")
+                          "/metrics (Prometheus). One engine decodes up to --parallel requests "
+                          "together, each reply exactly what it would be alone; the rest wait "
+                          "in a queue, in arrival order, and a full queue answers 503 with "
+                          "Retry-After.")
     p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
     p.add_argument("--port", type=int, default=8000, help="default: 8000")
+    p.add_argument("--parallel", type=_positive, default=None, metavar="N",
+                   help="requests decoded at once, 1 to 8; each holds a KV cache of "
+                   "--max-context tokens from the start (default: the most at which each "
+                   "reply still decodes at least a third as fast as alone, by the "
+                   "artifact's measured round costs, and whose caches fit in memory)")
+    p.add_argument("--max-context", type=_positive, default=None, metavar="TOKENS",
+                   help="tokens each conversation holds, prompt and reply (default: the "
+                   "artifact's context; less holds less memory)")
     p.add_argument("--queue", type=_positive, default=32,
-                   help="requests that may wait (default: 32); more are answered 503")
+                   help="requests that may wait for a place (default: 32); more are "
+                   "answered 503")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="BYTES",
                    help="largest request body; larger ones are refused with 413 (default: "
                    "1048576, 1 MiB)")
@@ -312,10 +323,13 @@ def _serve_args(sub, common):
                    "--queue)")
     p.add_argument("--max-connections-per-client", type=int, default=32, metavar="N",
                    help="open connections at most from one client address (default: 32)")
-    p.add_argument("--api-key", default=os.environ.get("EDGESPEC_API_KEY") or None,
-                   metavar="KEY", help="require 'Authorization: Bearer KEY' on the API and "
-                   "/metrics (the page and /health stay open); default: $EDGESPEC_API_KEY, "
-                   "which keeps the key out of the process list")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on the API and /metrics (the "
+                   "page and /health stay open); repeat it to give each client its own key: "
+                   "cached prompts and the replies drafting copies from are never shared "
+                   "between keys (without keys, between client addresses). Default: "
+                   "$EDGESPEC_API_KEY (keys separated by spaces), which keeps them out of the "
+                   "process list")
     p.add_argument("--max-tokens", type=_positive, default=None, metavar="N",
                    help="the most tokens a request may ask for; more is refused with 400 "
                    "(default: what the context leaves after the prompt)")
@@ -328,24 +342,32 @@ def _serve_args(sub, common):
 
 def _serve(args):
     try:
+        from .apps.server import places
         from .apps.server.server import Limits, check_api_key, serve
     except ImportError as e:
         raise EdgespecError(f"edgespec serve needs the apps package ({e})") from e
     limits = Limits(args.max_body_bytes, args.client_timeout, args.max_connections,
                     args.max_connections_per_client)
-    if args.api_key is not None:
-        check_api_key(args.api_key)  # before the model loads: a bad key fails at once
-    model = _load(args)
+    keys = args.api_key or os.environ.get("EDGESPEC_API_KEY", "").split()
+    for key in keys:
+        check_api_key(key)  # before the model loads: a bad key fails at once
+    if args.parallel is not None and args.parallel > places.MOST:
+        raise EdgespecError(f"invalid --parallel {args.parallel}: it must be from 1 to "
+                            f"{places.MOST}")
+    model = _load(args, args.max_context)
+    available = places.available_bytes()
+    parallel = args.parallel or places.default_parallel(model, available)
+    places.check_places(parallel, model.engine, available)
 
     def ready(address):
         url = f"http://{address[0]}:{address[1]}"
-        auth = "; the API needs the key" if args.api_key else ""
-        print(f"serving {model.artifact.path.name}: chat page {url}/, API {url}/v1{auth}",
-              file=sys.stderr, flush=True)
+        auth = f"; the API needs {'a' if len(keys) > 1 else 'the'} key" if keys else ""
+        print(f"serving {model.artifact.path.name}: {places.statement(parallel, model.engine)}"
+              f"\nchat page {url}/, API {url}/v1{auth}", file=sys.stderr, flush=True)
 
     serve(model, args.host, args.port, args.queue, limits=limits,
-          allow_ignore_eos=args.allow_ignore_eos, api_key=args.api_key,
-          max_tokens=args.max_tokens, ready=ready)
+          allow_ignore_eos=args.allow_ignore_eos, api_keys=keys,
+          max_tokens=args.max_tokens, parallel=parallel, ready=ready)
 
 
 def _desktop_args(sub, common):

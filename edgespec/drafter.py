@@ -41,9 +41,11 @@ class Drafter:
     def new_text(self, sampled: bool):
         """A new generation begins (sampled: the verifier samples rather than argmaxes)."""
 
-    def for_text(self) -> "Drafter":
+    def for_text(self, owner=None) -> "Drafter":
         """The drafter for one more text decoded beside the others (a batch): itself when
-        what it keeps is the model's, a twin with the text's own state otherwise."""
+        what it keeps is the model's, a twin with the text's own state otherwise. What it
+        keeps of earlier texts is shared only between texts of one `owner` (None: the
+        model's own)."""
         return self
 
     def end_text(self):

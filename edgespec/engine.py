@@ -145,7 +145,9 @@ def _check_graphs(artifact: Artifact, sessions: dict):
 
 
 class Engine:
-    def __init__(self, artifact: Artifact, device: str = "auto", threads: int = None):
+    def __init__(self, artifact: Artifact, device: str = "auto", threads: int = None,
+                 max_context: int = None):
+        """max_context: the positions a sequence holds, at most the artifact's (default)."""
         self.artifact = artifact
         self.provider = choose_provider(artifact, device)
         self.device = "cuda" if self.provider == "CUDAExecutionProvider" else "cpu"
@@ -160,7 +162,7 @@ class Engine:
         _check_graphs(artifact, self.sessions)
         a = artifact.arch
         self.hidden_size, self.vocab_size = a["hidden_size"], a["vocab_size"]
-        self.max_context = artifact.max_context
+        self.max_context = check_context(max_context, artifact.max_context)
         self.dtype = NUMPY_DTYPE[self.sessions["upper"].get_inputs()[0].type]
         self.kv_shape = [1, a["num_kv_heads"], self.max_context + PAD_ROWS, a["head_dim"]]
         self.final_states = self._alloc([1, CHUNK, self.hidden_size])  # by row of a call
@@ -193,9 +195,14 @@ class Engine:
     @property
     def sequence_bytes(self) -> int:
         """The memory one sequence holds: its KV caches and exit states."""
-        per_kv = int(np.prod(self.kv_shape)) * np.dtype(self.dtype).itemsize
+        return self.bytes_for_context(self.max_context)
+
+    def bytes_for_context(self, context: int) -> int:
+        """The memory a sequence of `context` positions would hold."""
+        item = np.dtype(self.dtype).itemsize
+        per_kv = int(np.prod(self.kv_shape[:2] + self.kv_shape[3:])) * item
         buffers = sum(len(self._past_names(s)) for s in self.sessions if s != "head")
-        return buffers * per_kv + self.max_context * self.hidden_size * np.dtype(self.dtype).itemsize
+        return buffers * per_kv * (context + PAD_ROWS) + context * self.hidden_size * item
 
     def use(self, seq: "Sequence"):
         """Make `seq` the sequence the single-sequence methods run on."""
@@ -481,6 +488,15 @@ class Sequence:
         """The tokens whose KV both halves hold: a prompt sharing them may skip them."""
         return self.tokens[:min(self.lower_len, self.upper_len)]
 
+    def shared_prefix(self, prompt_ids: list) -> int:
+        """How many of the prompt's first tokens the cache holds, short of its last (which
+        runs again: its logits start the reply)."""
+        cached, n = self.cached_tokens(), 0
+        limit = min(len(cached), len(prompt_ids) - 1)
+        while n < limit and cached[n] == prompt_ids[n]:
+            n += 1
+        return n
+
 
 class _BatchGraphs:
     """The batch graphs' sessions (lower_x{slots} and upper_x{slots}, loaded when a batch
@@ -584,6 +600,16 @@ def batch_round_costs(engine: Engine, cached=200, repeat=9) -> dict:
                 times.append(time.perf_counter() - start)
             costs[slots][slots * each] = 1e3 * statistics.median(times)
     return costs
+
+
+def check_context(wanted, most: int) -> int:
+    """A sequence's positions: `wanted` (None: the artifact's `most`) if in 2..most."""
+    if wanted is None:
+        return most
+    if not (isinstance(wanted, int) and 2 <= wanted <= most):
+        raise EdgespecError(f"invalid max context {wanted!r}: it must be from 2 to the "
+                            f"artifact's {most} (export with a larger --max-context for more)")
+    return wanted
 
 
 def _host_array(shape, dtype, align=64) -> np.ndarray:

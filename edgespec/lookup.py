@@ -14,11 +14,12 @@ kind were accepted (measured priors, refined by the text's own rounds) and the a
 round cost by rows give each k's expected committed tokens per unit of cost; a round offers
 the best k, none when no k beats a plain step. Its drafts depend on the texts alone, not on
 clock noise. The rates start afresh with each text; the replies are remembered (the latest
-MEMORY_TOKENS tokens of them) for the texts after.
+MEMORY_TOKENS tokens of them) for the texts after, and a batch keeps the replies of each
+owner (a server's client) apart: one client's text is never drafted into another's.
 """
 import copy
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from .drafter import Drafter, Offer
@@ -27,6 +28,7 @@ MAX_NGRAM = 8          # the longest n-gram indexed
 MAX_MATCH = 64         # how far back a match is measured
 MEMORY_TOKENS = 16384  # earlier replies remembered, the oldest forgotten first
 MEMORY_NGRAM = 4       # the one n-gram size they are indexed by (a match there is no shorter)
+MEMORY_OWNERS = 32     # owners whose replies are remembered apart, the least recent forgotten
 
 # Match lengths by bucket (a bucket holds lengths from its bound to the next one's).
 LENGTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
@@ -149,13 +151,22 @@ class PromptLookup(Drafter):
 
     def forget(self):
         self.memory = Memory()
+        self.owners = OrderedDict()  # owner -> the Memory of the replies made for it
         self.text, self.prompt_len = [], None
 
-    def for_text(self):
-        twin = copy.copy(self)  # the same memory of replies; a text and rates of its own
+    def for_text(self, owner=None):
+        twin = copy.copy(self)  # a text and rates of its own
+        twin.memory = self.memory if owner is None else self._memory_of(owner)
         twin.text, twin.prompt_len = [], None
         twin.new_text()
         return twin
+
+    def _memory_of(self, owner) -> Memory:
+        memory = self.owners.pop(owner, None) or Memory()
+        self.owners[owner] = memory  # the most recent last
+        if len(self.owners) > MEMORY_OWNERS:
+            self.owners.popitem(last=False)
+        return memory
 
     def end_text(self):
         self.new_text()  # remembers the reply

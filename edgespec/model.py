@@ -104,9 +104,11 @@ class Model:
     those not given, or None, are the model's `sampling`), and the draft policy draft_k,
     draft_threshold, lookup_k, adaptive (see DraftPolicy; not given: the artifact's)."""
 
-    def __init__(self, path, device: str = "auto", threads: int = None, verify: bool = True):
+    def __init__(self, path, device: str = "auto", threads: int = None, verify: bool = True,
+                 max_context: int = None):
         self.artifact = open_artifact(path, verify=verify)
-        self.engine = Engine(self.artifact, device=device, threads=threads)
+        self.engine = Engine(self.artifact, device=device, threads=threads,
+                             max_context=max_context)
         self.sequence = self.engine.seq  # the one the single-reply methods use (chat's cache)
         self.codec = TextCodec.for_artifact(self.artifact)
         self.stop_ids = set(self.artifact.eos_token_ids)
@@ -220,11 +222,12 @@ class Model:
                 on_text(member.index, piece.text)
         return [m.result for m in members]
 
-    def _decoder(self, settings, own_text: bool = False) -> Decoder:
+    def _decoder(self, settings, own_text: bool = False, owner=None) -> Decoder:
         """The decode loop for these settings: the draft policy's drafters (none for plain
         decoding), those of earlier generations with this policy, so that what they measured
         of the model carries over. own_text: for a reply decoded beside others, with
-        drafters that keep its text's state apart."""
+        drafters that keep its text's state apart, and what they remember of earlier
+        replies shared only with the same `owner`'s."""
         policy = settings.draft
         if policy not in self._by_policy:
             pace = Pace(self.artifact.manifest.get("round_costs"))
@@ -233,7 +236,7 @@ class Model:
         if settings.mode != "speculative":
             drafters = []
         elif own_text:
-            drafters = [d.for_text() for d in drafters]
+            drafters = [d.for_text(owner) for d in drafters]
         return Decoder(self.engine, Sampler(settings.sampling, self.engine.top_logits),
                        drafters, pace)
 
@@ -248,18 +251,12 @@ class Model:
         settings, decoder = member.settings, member.decoder
         return Generation(member.reply.text, member.reply.tokens, len(member.prompt),
                           first - began, now - first, settings.mode, finish, decoder.stats,
-                          n_prefilled=member.prefilled,
+                          n_prefilled=len(member.prompt) - member.reused,
                           sampling={**asdict(settings.sampling), "seed": decoder.sampler.seed})
 
     def _prefill(self, prompt_ids, reuse_cache):
         """Logits after the prompt, and how many of its tokens the cache already held."""
-        reused = 0
-        if reuse_cache:
-            cached = self.engine.cached_tokens()
-            # prefill at least one token: its logits start the reply
-            limit = min(len(cached), len(prompt_ids) - 1)
-            while reused < limit and cached[reused] == prompt_ids[reused]:
-                reused += 1
+        reused = self.sequence.shared_prefix(prompt_ids) if reuse_cache else 0
         self.engine.rollback(reused)
         return self.engine.prefill(prompt_ids[reused:]), reused
 
@@ -278,6 +275,9 @@ class Model:
                                 "larger --max-context")
 
 
-def load(path, device: str = "auto", threads: int = None, verify: bool = True) -> Model:
-    """Open an exported artifact directory for generation (checks its files first)."""
-    return Model(path, device=device, threads=threads, verify=verify)
+def load(path, device: str = "auto", threads: int = None, verify: bool = True,
+         max_context: int = None) -> Model:
+    """Open an exported artifact directory for generation (checks its files first).
+    max_context: the positions each conversation holds (default: the artifact's context;
+    less holds less memory)."""
+    return Model(path, device=device, threads=threads, verify=verify, max_context=max_context)

@@ -162,6 +162,17 @@ def wait_idle(port, timeout=30) -> dict:
     raise AssertionError(f"the server stayed busy: {state}")
 
 
+def wait_for(port, timeout=10, **state) -> dict:
+    """/health once it shows `state` (running=2, queued=1, ...)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = health(port)
+        if all(now[name] == value for name, value in state.items()):
+            return now
+        assert time.monotonic() < deadline, f"the server never showed {state}: {now}"
+        time.sleep(0.01)
+
+
 def wait_busy(port, timeout=30):
     deadline = time.monotonic() + timeout
     while not health(port)["busy"]:

@@ -12,7 +12,8 @@ from edgespec.tokenizer import TextCodec
 
 @pytest.fixture(scope="module")
 def server(long_artifact):
-    process, port = start_server(long_artifact, "--queue", "1", "--allow-ignore-eos")
+    process, port = start_server(long_artifact, "--parallel", "1", "--queue", "1",
+                                 "--allow-ignore-eos")
     yield port
     stop_server(process)
 

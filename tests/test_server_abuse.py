@@ -18,7 +18,7 @@ CLIENT_TIMEOUT_S = 3
 @pytest.fixture(scope="module")
 def keyed(tiny_int4):
     """A server with an API key and the default connection limits."""
-    process, port = start_server(tiny_int4, "--api-key", KEY)
+    process, port = start_server(tiny_int4, "--api-key", KEY, "--parallel", "2")
     yield SimpleNamespace(process=process, port=port)
     stop_server(process)
 
@@ -26,7 +26,8 @@ def keyed(tiny_int4):
 @pytest.fixture(scope="module")
 def small(long_artifact):
     """A server that holds few connections, with a short client timeout."""
-    process, port = start_server(long_artifact, "--api-key", KEY, "--max-connections", "8",
+    process, port = start_server(long_artifact, "--api-key", KEY, "--parallel", "2",
+                                 "--max-connections", "8",
                                  "--max-connections-per-client", "6",
                                  "--client-timeout", str(CLIENT_TIMEOUT_S))
     yield SimpleNamespace(process=process, port=port)
@@ -36,8 +37,8 @@ def small(long_artifact):
 @pytest.fixture(scope="module")
 def tight(long_artifact):
     """A server with room for two connections and one queued request."""
-    process, port = start_server(long_artifact, "--queue", "1", "--allow-ignore-eos",
-                                 "--max-connections", "2")
+    process, port = start_server(long_artifact, "--parallel", "2", "--queue", "1",
+                                 "--allow-ignore-eos", "--max-connections", "2")
     yield SimpleNamespace(process=process, port=port)
     stop_server(process)
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import (chat_body, exchange, health, open_stream, read_response, request_bytes,
                      rewrite_artifact_file, server_log, settled_threads, start_server,
-                     stop_server, wait_busy, wait_idle, wait_threads)
+                     stop_server, wait_busy, wait_for, wait_idle, wait_threads)
 
 import edgespec
 from edgespec.apps.server.server import Job, Worker, make_server
@@ -30,7 +30,7 @@ def guarded(long_artifact, tmp_path_factory):
         "{{ raise_exception('conversation roles must alternate') }}{% endif %}{% endfor %}"
         + template).encode())
     process, port = start_server(
-        artifact, "--queue", "1", "--allow-ignore-eos", "--client-timeout",
+        artifact, "--parallel", "2", "--queue", "1", "--allow-ignore-eos", "--client-timeout",
         str(CLIENT_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS),
         "--max-body-bytes", str(MAX_BODY_BYTES))
     yield SimpleNamespace(process=process, port=port)
@@ -70,8 +70,8 @@ def test_any_error_inside_a_job_fails_that_job_alone(tiny_int4):
     worker = Worker(model, queue_size=2)
     worker.start()
     settings = model.settings(max_new_tokens=4)
-    bad = Job(["not a token id"], settings, chat=False)  # a TypeError, not an EdgespecError
-    good = Job(model.codec.encode("hello"), settings, chat=False)
+    bad = Job(["not a token id"], settings, "a")  # a TypeError, not an EdgespecError
+    good = Job(model.codec.encode("hello"), settings, "b")
     worker.submit(bad)
     worker.submit(good)
     assert final_event(bad)["error"].startswith("TypeError")
@@ -85,22 +85,21 @@ def test_a_request_cancelled_in_the_queue_ends_its_handler(guarded):
     port = guarded.port
     wait_idle(port)
     idle = settled_threads(guarded.process)
-    running, _ = open_stream(port)
-    wait_busy(port)
+    running = []
+    for taken in (1, 2):  # both places, one after the other: the queue holds one
+        running.append(open_stream(port)[0])
+        wait_for(port, running=taken)
     waiting = socket.create_connection(("127.0.0.1", port))
     waiting.sendall(request_bytes(chat_body(max_tokens=4000, ignore_eos=True)))
-    deadline = time.monotonic() + 10
-    while health(port)["queued"] != 1:
-        assert time.monotonic() < deadline, "the second request never queued"
-        time.sleep(0.01)
-    before = health(port)
+    before = wait_for(port, queued=1)
     waiting.close()
     # its handler looks for its client every 0.25 s: give it time to cancel the job while it
     # still waits (the test passes either way; this makes it take the queued path)
     time.sleep(1)
-    running.close()
+    for sock in running:
+        sock.close()
     after = wait_idle(port)
-    assert after["cancelled"] == before["cancelled"] + 2
+    assert after["cancelled"] == before["cancelled"] + 3
     wait_threads(guarded.process, idle)
 
 

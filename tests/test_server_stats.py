@@ -10,7 +10,9 @@ from helpers import (chat_body, exchange, open_stream, request_bytes, start_serv
 
 @pytest.fixture(scope="module")
 def server(long_artifact):
-    process, port = start_server(long_artifact, "--queue", "2", "--allow-ignore-eos")
+    # one place: the second request waits in the queue
+    process, port = start_server(long_artifact, "--parallel", "1", "--queue", "2",
+                                 "--allow-ignore-eos")
     yield port
     stop_server(process)
 

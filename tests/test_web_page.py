@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import time
 
 import pytest
 from helpers import health, start_server, stop_server, wait_idle
@@ -56,7 +57,7 @@ def expect(playwright):
 
 @pytest.fixture(scope="module")
 def server(long_artifact):
-    process, port = start_server(long_artifact, "--allow-ignore-eos")
+    process, port = start_server(long_artifact, "--allow-ignore-eos", "--parallel", "2")
     yield port
     stop_server(process)
 
@@ -185,6 +186,38 @@ def test_stop_ends_the_reply_the_server_cancels_it_and_the_chat_goes_on(page, ex
     assert health(server)["failed"] == 0
 
 
+def test_two_tabs_stream_their_own_replies_at_once(playwright, expect, server):
+    _, browser = playwright
+    context = browser.new_context()  # one browser, two tabs: one storage, two conversations
+    tabs = [context.new_page() for _ in range(2)]
+
+    def long_reply(route):  # the random model may end its turn at any token: make it go on
+        route.continue_(post_data=json.dumps({**route.request.post_data_json,
+                                              "ignore_eos": True}))
+    try:
+        before = wait_idle(server)
+        for tab, text in zip(tabs, ("from the first tab", "from the second tab")):
+            open_page(tab, expect, server)
+            tab.fill("#max_tokens", "600")
+            tab.route("**/v1/chat/completions", long_reply)
+            send(tab, text)
+        deadline = time.monotonic() + REPLY_S
+        while health(server)["running"] < 2:  # both replies decode together
+            assert time.monotonic() < deadline, "the two tabs' replies never ran together"
+            time.sleep(0.01)
+        for tab in tabs:
+            expect(tab.locator("#send")).to_be_enabled()
+            expect(last_reply(tab).locator(".stats")).to_contain_text("tokens/s")
+        after = wait_idle(server)
+        assert after["completed"] == before["completed"] + 2 and after["failed"] == 0
+        for tab, text in zip(tabs, ("from the first tab", "from the second tab")):
+            tab.reload()  # each tab keeps its own conversation
+            expect(tab.locator(".message.user .text")).to_have_text(text)
+            expect(tab.locator(".message")).to_have_count(2)
+    finally:
+        context.close()
+
+
 def test_a_fenced_code_block_in_a_reply_shows_as_monospace_code(page, expect, server):
     open_page(page, expect, server)
     answer_with(page, *FENCED)
@@ -255,11 +288,12 @@ def test_new_chat_clears_the_conversation_and_its_stored_copy(page, expect, serv
 def test_a_corrupt_stored_conversation_is_dropped(page, expect, server):
     open_page(page, expect, server)
     for stored in ("{not json", '{"role": "user"}', '[{"role": "tool", "content": "x"}]'):
-        page.evaluate("(value) => localStorage.setItem('edgespec.conversation', value)", stored)
+        page.evaluate("(value) => sessionStorage.setItem('edgespec.conversation', value)",
+                      stored)
         page.reload()
         expect(page.locator("#model")).to_have_text("art")
         expect(page.locator(".message")).to_have_count(0)
-        assert page.evaluate("localStorage.getItem('edgespec.conversation')") is None
+        assert page.evaluate("sessionStorage.getItem('edgespec.conversation')") is None
 
 
 @pytest.mark.parametrize("path", ["/favicon.ico", "/favicon.svg"])

@@ -66,13 +66,14 @@ def check_api_key(key: str) -> str:
     return key
 
 
-def require_key(headers, key: str, body_unread: bool):
-    """Refused (401) unless the request carries `Authorization: Bearer KEY`."""
+def require_key(headers, keys: tuple, body_unread: bool) -> int:
+    """Which of the keys the request carries as `Authorization: Bearer KEY`; refused (401)
+    when none."""
     scheme, _, token = (headers.get("Authorization") or "").strip().partition(" ")
-    # compared in constant time, so the answer's timing does not spell the key out
-    if scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), key.encode()):
-        return
+    # every key compared, each in constant time: the timing does not spell a key out
+    matches = [hmac.compare_digest(token.strip().encode(), key.encode()) for key in keys]
+    if scheme.lower() == "bearer" and any(matches):
+        return matches.index(True)
     challenge = 'Bearer realm="edgespec"' + (', error="invalid_token"' if token else "")
     raise Refused(401, "a valid API key is needed: send it as 'Authorization: Bearer KEY'"
                   if not token else "the API key is not valid",

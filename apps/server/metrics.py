@@ -2,15 +2,17 @@
 
 Handlers count every answer by status and time the generation requests; the server counts
 connections it closed on its own, by why; the worker counts every generation by how it
-finished, with its tokens and what speculation did. The gauges are read when the page is
-asked for.
+finished, with its tokens and what speculation did, and every round of the batch. The
+gauges are read when the page is asked for.
 """
 import threading
-from collections import Counter
+import time
+from collections import Counter, deque
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKENS_PER_S_BUCKETS = (5, 10, 25, 50, 100, 150, 200, 300, 500, 1000)
+WINDOW_S = 10.0  # the recent past the batch's rates are taken over
 
 # name (without edgespec_ and _total): help, summed from each generation's numbers
 TOTALS = {
@@ -58,6 +60,24 @@ class Metrics:
         self.duration = Histogram(SECONDS_BUCKETS)
         self.first_token = Histogram(SECONDS_BUCKETS)
         self.tokens_per_s = Histogram(TOKENS_PER_S_BUCKETS)
+        self.rounds = deque()  # (time, tokens, decoding rounds, their rows): the last WINDOW_S
+        self.round_totals = Counter()  # tokens, rounds, rows since the start
+
+    def round_done(self, tokens: int, rounds: int, rows: int):
+        """A step of the batch: tokens it committed, decoding rounds it ran and their rows."""
+        now = time.monotonic()
+        with self.lock:
+            self.rounds.append((now, tokens, rounds, rows))
+            self.round_totals.update(tokens=tokens, rounds=rounds, rows=rows)
+            while self.rounds and self.rounds[0][0] < now - WINDOW_S:
+                self.rounds.popleft()
+
+    def _recent(self):
+        """Tokens a second and rows a decoding round over the last WINDOW_S (0 when idle)."""
+        now = time.monotonic()
+        recent = [r for r in self.rounds if r[0] >= now - WINDOW_S]
+        tokens, rounds, rows = (sum(r[i] for r in recent) for i in (1, 2, 3))
+        return tokens / WINDOW_S, rows / rounds if rounds else 0.0
 
     def response(self, status: int):
         with self.lock:
@@ -101,7 +121,8 @@ class Metrics:
             t["accepted_tokens"] += stats.accepted
             t["speculative_rounds"] += stats.rounds if result.mode == "speculative" else 0
 
-    def render(self, queued: int, capacity: int, busy: bool, connections: int) -> str:
+    def render(self, queued: int, capacity: int, running: int, parallel: int,
+               connections: int) -> str:
         """The text exposition of every metric."""
         out = []
 
@@ -125,6 +146,12 @@ class Metrics:
             for name, help in TOTALS.items():
                 family(f"{name}_total", "counter", help,
                        [(f"{name}_total", self.totals[name])])
+            family("decoding_rounds_total", "counter", "decoding rounds of the batch (one "
+                   "call of the model for every running reply)",
+                   [("decoding_rounds_total", self.round_totals["rounds"])])
+            family("round_rows_total", "counter", "rows those rounds verified (a reply's "
+                   "last token and its drafts)", [("round_rows_total", self.round_totals["rows"])])
+            tokens_per_s, rows_per_round = self._recent()
             for name, histogram, help in (
                     ("request_duration_seconds", self.duration,
                      "generation requests, from arrival to the last byte answered"),
@@ -136,7 +163,15 @@ class Metrics:
         family("queue_depth", "gauge", "requests waiting for the worker", [("queue_depth", queued)])
         family("queue_capacity", "gauge", "requests that may wait (--queue)",
                [("queue_capacity", capacity)])
-        family("busy", "gauge", "1 while the worker generates", [("busy", int(busy))])
+        family("busy", "gauge", "1 while the worker generates", [("busy", int(running > 0))])
+        family("sequences_running", "gauge", "replies being decoded now",
+               [("sequences_running", running)])
+        family("parallel", "gauge", "replies decoded at once at most (--parallel)",
+               [("parallel", parallel)])
+        family("tokens_per_second", "gauge", f"tokens all replies committed a second, over "
+               f"the last {WINDOW_S:g} s", [("tokens_per_second", tokens_per_s)])
+        family("rows_per_round", "gauge", f"rows a decoding round verified, over the last "
+               f"{WINDOW_S:g} s", [("rows_per_round", rows_per_round)])
         family("open_connections", "gauge", "client connections open now",
                [("open_connections", connections)])
         return "\n".join(out) + "\n"

@@ -1,9 +1,14 @@
 """`edgespec serve`: an OpenAI-compatible HTTP server around one engine, and its chat page.
 
-Requests wait in a bounded queue (full: 503 with Retry-After) and one worker thread, which
-owns the model, serves them in turn. A client that disconnects cancels its generation: the
-handler notices when a write fails or the socket closes, and the worker stops at the next
-piece of text.
+One worker thread owns the model and decodes up to `parallel` requests together, each
+round of the batch giving every running reply its next tokens (edgespec/batch.py); a reply
+is bit for bit the one it gets alone. Requests beyond those wait in a bounded queue (full:
+503 with Retry-After) and take a place, in arrival order, as soon as one is free. A
+client that disconnects cancels its generation: the handler notices when a write fails or
+the socket closes, and its place is free after the next round.
+
+Cached prompts and the replies lookup drafting copies from are kept per owner: the API key
+a request came with, or its client's address on a server without keys.
 
 No client can stall the others: every job ends with a final event, whatever fails in it;
 every request gets an answer (a 4xx that says why, or a JSON 500); a request must arrive
@@ -23,7 +28,6 @@ from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
 from edgespec.errors import EdgespecError
-from edgespec.model import stop_reply
 from edgespec.settings import Settings
 
 from . import openai_api as api
@@ -42,35 +46,67 @@ OPEN_PATHS = {"/health"}  # with the page's files: answered without the API key
 class Job:
     prompt_ids: list
     settings: Settings
-    chat: bool
+    owner: str  # whose cached prompts and remembered replies it may use
     events: queue.Queue = field(default_factory=queue.Queue)  # text pieces, then a final dict
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 class Worker(threading.Thread):
-    """Owns the model; runs queued jobs one at a time. Every job gets a final event:
-    {"finish", "generated", "result": the Generation or None} or {"error"}."""
+    """Owns the model and its batch; decodes up to `parallel` jobs together, taking queued
+    ones in arrival order as places free up. Every job gets a final event: {"finish",
+    "generated", "result": the Generation or None} or {"error"}."""
 
-    def __init__(self, model, queue_size, metrics: Metrics = None):
+    def __init__(self, model, queue_size, parallel=1, metrics: Metrics = None):
         super().__init__(daemon=True, name="edgespec-worker")
         self.model, self.jobs = model, queue.Queue(maxsize=queue_size)
+        self.batch = model.batch(parallel)
         self.metrics = metrics or Metrics()
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
-        self.busy = False
+        self.running = {}  # Member -> its Job
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
 
     def submit(self, job: Job):
         self.jobs.put_nowait(job)  # queue.Full: the caller answers 503
 
     def run(self):
         while True:
-            job = self.jobs.get()
-            self.busy = True
+            self._admit()
+            batch = self.batch
+            before = batch.committed, batch.rounds, batch.rows
             try:
-                self._serve(job)
-            except Exception as e:  # a bad job or a runtime failure fails that job only
+                events = batch.step()
+            except Exception as e:  # a runtime failure fails the replies of that round
+                for member in batch.clear():
+                    self._fail(self.running.pop(member), e)
+                continue
+            self.metrics.round_done(batch.committed - before[0], batch.rounds - before[1],
+                                    batch.rows - before[2])
+            for member, piece in events:
+                self.running[member].events.put(piece.text)
+            for member in [m for m in self.running if m.result is not None]:
+                self._end(self.running.pop(member), member.result)
+
+    def _admit(self):
+        """Queued jobs into the batch while it has room (waiting for one when nothing
+        runs); cancelled jobs out of it."""
+        while len(self.running) < self.batch.parallel:
+            try:
+                job = self.jobs.get(block=not self.running)
+            except queue.Empty:
+                break
+            if job.cancelled.is_set():  # its client left while it waited
+                self._end(job, None)
+                continue
+            try:
+                self.running[self.batch.add(job.prompt_ids, job.settings, job.owner)] = job
+            except Exception as e:  # a job the model refuses fails alone
                 self._fail(job, e)
-            finally:
-                self.busy = False
+        for member, job in self.running.items():
+            if job.cancelled.is_set():
+                self.batch.cancel(member)
 
     def _fail(self, job, error):
         self.counts["failed"] += 1
@@ -79,30 +115,12 @@ class Worker(threading.Thread):
         if not isinstance(error, EdgespecError):  # unforeseen: the operator needs the traceback
             traceback.print_exc()
             message = f"{type(error).__name__}: {error}"
-        self.model.engine.reset()  # the cache may be half written: the next chat prefills anew
         job.events.put({"error": message})
 
-    def _serve(self, job):
-        if job.cancelled.is_set():  # its client left while it waited: still tell its handler
-            self._end(job, "cancelled", None, 0)
-            return
-        pieces = self.model.stream_ids(job.prompt_ids, job.settings, reuse_cache=job.chat)
-        generated = 0
-        while True:
-            if job.cancelled.is_set():  # stopped here, the reply still tells what it did
-                self._end(job, "cancelled", stop_reply(pieces), generated)
-                return
-            try:
-                piece = next(pieces)
-            except StopIteration as done:
-                result = done.value
-                break
-            generated = piece.generated
-            job.events.put(piece.text)
-        self._end(job, result.finish_reason, result, result.n_generated)
-
-    def _end(self, job, finish, result, generated):
-        generated = result.n_generated if result is not None else generated
+    def _end(self, job, result):
+        """A job's final event: its Generation (None: cancelled before it began)."""
+        finish = "cancelled" if result is None else result.finish_reason
+        generated = 0 if result is None else result.n_generated
         self.counts["cancelled" if finish == "cancelled" else "completed"] += 1
         self.metrics.generation(finish, len(job.prompt_ids), result, generated)
         job.events.put({"finish": finish, "generated": generated, "result": result})
@@ -117,7 +135,7 @@ class Handler(BaseHTTPRequestHandler):
     model_name = "edgespec"
     limits = Limits()
     allow_ignore_eos = False
-    api_key = None  # set: the API needs `Authorization: Bearer KEY`
+    api_keys = ()  # any: the API needs `Authorization: Bearer KEY` with one of them
     max_tokens = None  # the most tokens a request may ask for (None: the context's room)
     timeout = limits.client_timeout_s  # socketserver sets it on the connection
     streaming = False  # the response has begun: an error can no longer be a JSON answer
@@ -186,8 +204,11 @@ class Handler(BaseHTTPRequestHandler):
         return urlsplit(self.path).path.rstrip("/") or "/"
 
     def _authorize(self, body_unread: bool):
-        if self.api_key is not None:
-            require_key(self.headers, self.api_key, body_unread)
+        """Refuse a request without a valid key; note whose it is (`owner`): its key's, or
+        its client address's on a server without keys."""
+        self.owner = f"client {self.client_address[0]}"
+        if self.api_keys:
+            self.owner = f"key {require_key(self.headers, self.api_keys, body_unread)}"
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -198,8 +219,10 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, kind, data, PAGE_HEADERS)
             return
         if route == "/health":
-            self._json(200, {"busy": self.worker.busy, "queued": self.worker.jobs.qsize(),
-                             **self.worker.counts})
+            worker = self.worker
+            self._json(200, {"busy": worker.busy, "queued": worker.jobs.qsize(),
+                             "running": len(worker.running), "parallel": worker.batch.parallel,
+                             **worker.counts})
             return
         try:
             self._authorize(body_unread=False)
@@ -211,8 +234,10 @@ class Handler(BaseHTTPRequestHandler):
                 {"id": self.model_name, "object": "model", "created": 0, "owned_by": "edgespec",
                  "sampling": api.sampling_defaults(self.worker.model)}]})
         elif route == "/metrics":
-            text = self.metrics.render(self.worker.jobs.qsize(), self.worker.jobs.maxsize,
-                                       self.worker.busy, self.server.open_connections())
+            worker = self.worker
+            text = self.metrics.render(worker.jobs.qsize(), worker.jobs.maxsize,
+                                       len(worker.running), worker.batch.parallel,
+                                       self.server.open_connections())
             self._send(200, METRICS_TYPE, text.encode())
         else:
             self._json(404, api.error_body(f"no route GET {self.path}", "not_found"))
@@ -286,7 +311,7 @@ class Handler(BaseHTTPRequestHandler):
                                  "messages" if chat else "prompt")
         # prompt and reply together fit the context, as OpenAI counts it
         job = Job(ids, settings.with_options(
-            max_new_tokens=min(settings.max_new_tokens, limit - len(ids))), chat)
+            max_new_tokens=min(settings.max_new_tokens, limit - len(ids))), self.owner)
         try:
             self.worker.submit(job)
         except queue.Full:
@@ -396,19 +421,20 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def make_server(model, host="127.0.0.1", port=8000, queue_size=32, limits=Limits(),
-                allow_ignore_eos=False, api_key=None, max_tokens=None) -> Server:
+                allow_ignore_eos=False, api_keys=(), max_tokens=None, parallel=1) -> Server:
     """The server and its worker, listening; call serve_forever() on it.
-    api_key: the API (all but the page and /health) needs it as a bearer token.
-    max_tokens: the most tokens a request may ask for (more is a 400)."""
-    metrics = Metrics()
-    worker = Worker(model, queue_size, metrics)
+    api_keys: the API (all but the page and /health) needs one of them as a bearer token,
+    and each key's conversations are kept apart. max_tokens: the most tokens a request may
+    ask for (more is a 400). parallel: replies decoded at once."""
     if max_tokens is not None and max_tokens < 1:
         raise EdgespecError(f"invalid --max-tokens {max_tokens}: it must be >= 1")
+    metrics = Metrics()
+    worker = Worker(model, queue_size, parallel, metrics)
     handler = type("BoundHandler", (Handler,), {
         "worker": worker, "metrics": metrics, "page": load_page(),
         "model_name": model.artifact.path.name, "limits": limits,
         "timeout": limits.client_timeout_s, "allow_ignore_eos": allow_ignore_eos,
-        "api_key": None if api_key is None else check_api_key(api_key),
+        "api_keys": tuple(check_api_key(key) for key in api_keys),
         "max_tokens": max_tokens})
     try:
         httpd = Server((host, port), handler, limits, on_close=metrics.connection_closed)
@@ -421,7 +447,8 @@ def make_server(model, host="127.0.0.1", port=8000, queue_size=32, limits=Limits
 
 def serve(model, host="127.0.0.1", port=8000, queue_size=32, ready=None, **options):
     """Serve until interrupted. `ready(address)` is called once the socket listens.
-    options: those of make_server (limits, allow_ignore_eos, api_key, max_tokens)."""
+    options: those of make_server (limits, allow_ignore_eos, api_keys, max_tokens,
+    parallel)."""
     httpd = make_server(model, host, port, queue_size, **options)
     (ready or (lambda address: None))(httpd.server_address)
     try:

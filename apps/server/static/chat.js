@@ -6,7 +6,7 @@
 const $ = (id) => document.getElementById(id);
 const SAMPLING = ["temperature", "top_k", "top_p", "repetition_penalty"];
 const SETTINGS = ["system", ...SAMPLING, "max_tokens", "mode"];
-const CONVERSATION = "edgespec.conversation";  // local storage: the messages, as JSON
+const CONVERSATION = "edgespec.conversation";  // the tab's session storage: the messages, as JSON
 // messages: {role, content} as sent to the server, and for replies their stats line
 const state = { messages: [], controller: null, model: "edgespec" };
 const markdown = new marked.Marked({ gfm: true, breaks: true });
@@ -243,29 +243,30 @@ function newChat() {
   stop();
   state.messages = [];
   $("conversation").replaceChildren();
-  localStorage.removeItem(CONVERSATION);
+  sessionStorage.removeItem(CONVERSATION);
   setStatus("");
 }
 
-// saved once a reply is complete: a reload mid-reply loses only that turn
+// saved once a reply is complete: a reload mid-reply loses only that turn; each tab keeps
+// its own conversation, so several tabs chat side by side
 function saveConversation() {
   try {
-    localStorage.setItem(CONVERSATION, JSON.stringify(state.messages));
+    sessionStorage.setItem(CONVERSATION, JSON.stringify(state.messages));
   } catch (_) {
-    setStatus("The conversation is too long to keep across reloads (local storage is full).");
+    setStatus("The conversation is too long to keep across reloads (session storage is full).");
   }
 }
 
-// the conversation of the last visit; a stored value that is not one is dropped
+// the tab's conversation before a reload; a stored value that is not one is dropped
 function restoreConversation() {
   let saved = null;
   try {
-    saved = JSON.parse(localStorage.getItem(CONVERSATION));
+    saved = JSON.parse(sessionStorage.getItem(CONVERSATION));
   } catch (_) { /* not JSON: dropped below */ }
   const valid = Array.isArray(saved) && saved.every((m) => m && typeof m.content === "string"
     && (m.role === "user" || m.role === "assistant"));
   if (!valid) {
-    localStorage.removeItem(CONVERSATION);
+    sessionStorage.removeItem(CONVERSATION);
     return;
   }
   state.messages = saved;
