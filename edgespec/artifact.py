@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import EdgespecError
+from .errors import EdgespecError, is_int, is_number
 from .sampling import CHAT_DEFAULTS, SAMPLING_FIELDS, SamplingParams
 
 FORMAT_VERSION = 3  # 2: attention pad rows (engine.py), int4 zero points; 3: batch graphs
@@ -105,7 +105,7 @@ def open_artifact(path, verify: bool = True) -> Artifact:
     if not isinstance(manifest, dict):
         raise problem(f"holds {_shown(manifest)}, not a JSON object")
     version = problem.field(manifest, "format_version")
-    problem.require(_is_int(version, 0), "format_version", version,
+    problem.require(is_int(version, 0), "format_version", version,
                     f"the integer {FORMAT_VERSION}")
     if version != FORMAT_VERSION:
         raise EdgespecError(f"{path} has artifact format version {version}, this edgespec "
@@ -143,13 +143,8 @@ def _shown(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _is_int(value, low, high=None) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value and \
-        (high is None or value < high)
-
-
 def _is_positive(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return is_number(value) and value > 0
 
 
 def _check_manifest(manifest, problem):
@@ -158,18 +153,18 @@ def _check_manifest(manifest, problem):
     arch = problem.field(manifest, "architecture")
     for key in ARCH_NUMBERS:
         value = problem.field(arch, key, "architecture.")
-        problem.require(_is_int(value, 1), f"architecture.{key}", value, "an integer >= 1")
+        problem.require(is_int(value, 1), f"architecture.{key}", value, "an integer >= 1")
     head_dim = arch["head_dim"]  # rotary embeddings turn pairs of dimensions
     problem.require(head_dim % 2 == 0, "architecture.head_dim", head_dim, "an even integer")
     layers, vocab = arch["num_layers"], arch["vocab_size"]
     exit_layer = problem.field(manifest, "exit_layer")
-    problem.require(_is_int(exit_layer, 1, layers), "exit_layer", exit_layer,
+    problem.require(is_int(exit_layer, 1, layers), "exit_layer", exit_layer,
                     f"an integer in 1..{layers - 1}")
     context = problem.field(manifest, "max_context")
-    problem.require(_is_int(context, 2, MAX_CONTEXT + 1), "max_context", context,
+    problem.require(is_int(context, 2, MAX_CONTEXT + 1), "max_context", context,
                     f"an integer in 2..{MAX_CONTEXT} (export with a smaller --max-context)")
     eos = problem.field(manifest, "eos_token_ids")
-    problem.require(isinstance(eos, list) and all(_is_int(t, 0, vocab) for t in eos),
+    problem.require(isinstance(eos, list) and all(is_int(t, 0, vocab) for t in eos),
                     "eos_token_ids", eos, f"a list of token ids in 0..{vocab - 1}")
     for key, choices in CHOICES.items():
         if key in manifest:
@@ -181,6 +176,8 @@ def _check_manifest(manifest, problem):
         k.isdigit() and int(k) >= 1 and _is_positive(v) for k, v in costs.items()),
         "round_costs", costs,
         'an object of row counts ("1", "2", ...) to positive numbers, "1" among them')
+    problem.require(is_int(manifest.get("threads", 1), 1, 4096), "threads",
+                    manifest.get("threads"), "an integer in 1..4096")
     batches = manifest.get("batch_round_costs", {})
     problem.require(isinstance(batches, dict) and all(
         k in map(str, BATCH_SLOTS) and isinstance(v, dict) and v and all(
@@ -189,7 +186,7 @@ def _check_manifest(manifest, problem):
         f'an object of batch sizes ({", ".join(map(str, BATCH_SLOTS))}) to objects of row '
         'counts to positive numbers')
     graph = manifest.get("draft_graph", {})
-    problem.require(isinstance(graph, dict) and _is_int(graph.get("vocab", 1), 1),
+    problem.require(isinstance(graph, dict) and is_int(graph.get("vocab", 1), 1),
                     "draft_graph", graph, '{"vocab": an integer >= 1}')
     _check_file_list(manifest, problem)
 
@@ -225,7 +222,7 @@ def _check_file_list(manifest, problem):
         if not _plain_name(name):
             raise problem(f"lists the file name {name!r}: a file name must be a plain name "
                           "inside the artifact (no separators, no .., not absolute)")
-        problem.require(isinstance(info, dict) and _is_int(info.get("bytes"), 0) and
+        problem.require(isinstance(info, dict) and is_int(info.get("bytes"), 0) and
                         re.fullmatch("[0-9a-f]{64}", str(info.get("sha256"))) is not None,
                         f"files[{name!r}]", info, '{"bytes": an integer, "sha256": 64 hex digits}')
     template = problem.field(manifest, "chat_template")

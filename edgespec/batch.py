@@ -95,7 +95,7 @@ class Batch:
         self.prompt_seconds = 0.0  # time in rounds that ran only prompt rows
         self.rounds = self.rows = 0  # decoding rounds, and the rows they verified
         self.committed = 0  # tokens committed, all replies
-        measured = model.artifact.manifest.get("batch_round_costs", {})
+        measured = model.costs["batch_round_costs"]
         self.costs = {int(slots): costs_by_rows({1: 1.0, **{int(r): c for r, c in by_rows.items()}},
                                                 CHUNK)
                       for slots, by_rows in measured.items()}

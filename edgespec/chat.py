@@ -2,28 +2,29 @@
 import contextlib
 import signal
 import sys
+import textwrap
 import threading
 
 from .errors import EdgespecError
 from .model import stop_reply
 from .sampling import SamplingParams
+from .settings import CATALOGUE, DRAFT, SAMPLING
 from .tokenizer import check_utf8
 
-HELP = """commands:
-  /help                 this list
-  /reset                forget the conversation (the system message stays)
-  /stats                statistics of the last reply and of the cache
-  /set NAME VALUE       change a setting: temperature (0 is greedy), top_k,
-                        top_p, min_p, repetition_penalty, presence_penalty,
-                        frequency_penalty, seed, max_new_tokens, draft_k,
-                        draft_threshold, lookup_k, adaptive (0 or 1),
-                        mode (speculative or plain)
-  /exit                 leave (Ctrl-D too); Ctrl-C stops a reply and keeps the conversation"""
-SETTINGS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
-            "repetition_penalty": float, "presence_penalty": float,
-            "frequency_penalty": float, "seed": int, "max_new_tokens": int, "draft_k": int,
-            "draft_threshold": float, "lookup_k": int, "adaptive": lambda v: bool(int(v)),
-            "mode": str}
+# what /set changes: every option of the catalogue but the per-call ones, each read from
+# its text by its type (a flag as 0 or 1)
+SETTINGS = {option.name: (lambda text: bool(int(text))) if option.kind is bool else option.kind
+            for option in (*SAMPLING, CATALOGUE["max_new_tokens"], *DRAFT, CATALOGUE["mode"])}
+HELP = "\n".join([
+    "commands:",
+    "  /help                 this list",
+    "  /reset                forget the conversation (the system message stays)",
+    "  /stats                statistics of the last reply and of the cache",
+    "  /set NAME VALUE       change a setting (a flag as 0 or 1):",
+    *textwrap.wrap(", ".join(SETTINGS), 70, initial_indent=" " * 24,
+                   subsequent_indent=" " * 24),
+    "  /exit                 leave (Ctrl-D too); Ctrl-C stops a reply and keeps the "
+    "conversation"])
 DRAFTED, PLAIN = "\x1b[32m", "\x1b[0m"
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from .errors import EdgespecError
+from .settings import CATALOGUE, DRAFT, SAMPLING
 from .tokenizer import check_utf8
 
 EXAMPLES = """examples:
@@ -95,6 +96,10 @@ def _export_args(sub, common):
                    help="tokens the KV cache holds (default: min(4096, the model's limit))")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where the artifact will run: cpu (fp32 activations) or cuda (fp16)")
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="CPU threads the draft policy and the round costs are measured at, "
+                   "recorded in the manifest; a runtime with another count measures the "
+                   "round costs again (default: one per CPU here, what the runtime uses)")
     p.set_defaults(run=_export)
 
 
@@ -117,34 +122,31 @@ def _generate_args(sub, common):
 
 
 def _reply_args(p, max_new_tokens):
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
-                   help=f"per reply (default: {max_new_tokens})")
+    option = CATALOGUE["max_new_tokens"]
+    p.add_argument(option.flag, type=int, default=max_new_tokens,
+                   help=f"{option.help} (default: {max_new_tokens})")
     p.add_argument("--plain", action="store_true",
                    help="plain decoding (default: self-speculative, the same output)")
-    p.add_argument("--stop", action="append", metavar="TEXT",
-                   help="end the reply where this text first appears, leaving it out "
-                   "(repeatable, up to 4)")
+    option = CATALOGUE["stop"]
+    p.add_argument(option.flag, action="append", metavar="TEXT",
+                   help=f"{option.help}; repeatable")
+
+
+def _catalogue_args(group, options):
+    """A flag for each option (not given: None, the model's value)."""
+    for option in options:
+        if option.kind is bool:
+            group.add_argument(option.flag, action=argparse.BooleanOptionalAction,
+                               default=None, help=option.help)
+        else:
+            group.add_argument(option.flag, type=option.kind, default=None, help=option.help)
 
 
 def _sampling_args(p):
-    g = p.add_argument_group(
+    _catalogue_args(p.add_argument_group(
         "sampling", "Settings not given are the model's: those its checkpoint recommends "
         "(generation_config.json), else temperature 0.8, top-k 40, top-p 0.9, repetition "
-        "penalty 1.1. --temperature 0 is plain greedy (penalties only if given).")
-    g.add_argument("--temperature", type=float, help="0 is greedy")
-    g.add_argument("--top-k", type=int, help="keep the k likeliest tokens (0: off)")
-    g.add_argument("--top-p", type=float, help="keep the likeliest tokens whose mass reaches "
-                   "this, in (0, 1] (1: off)")
-    g.add_argument("--min-p", type=float,
-                   help="drop tokens below min-p times the likeliest (0: off)")
-    g.add_argument("--repetition-penalty", type=float,
-                   help="divide the logits of tokens already in the conversation (1: off)")
-    g.add_argument("--presence-penalty", type=float,
-                   help="subtract from the logits of tokens already in it, in [-2, 2] (0: off)")
-    g.add_argument("--frequency-penalty", type=float,
-                   help="subtract this times a token's count so far, in [-2, 2] (0: off)")
-    g.add_argument("--seed", type=int, help="seed: the same seed gives the same reply, "
-                   "speculative or plain (default: a fresh one each reply)")
+        "penalty 1.1. --temperature 0 is plain greedy (penalties only if given)."), SAMPLING)
 
 
 def _chat_args(sub, common):
@@ -170,27 +172,14 @@ def _chat(args):
 
 
 def _draft_args(p):
-    p.add_argument("--draft-k", type=int, default=None,
-                   help="the most early-exit drafts per round, 0 for none (default: the "
-                   "artifact's calibrated value)")
-    p.add_argument("--draft-threshold", type=float, default=None,
-                   help="stop drafting when the draft's top probability falls below this "
-                   "(default: the artifact's, 0 is off)")
-    p.add_argument("--lookup-k", type=int, default=None,
-                   help="the most lookup drafts per round (copied from the prompt, the reply "
-                   "or recent replies), 0 to 32, 0 for none (default: the artifact's)")
-    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
-                   help="choose each round's k: lookup's from its expected tokens per "
-                   "measured round cost, the early exit's from timing (paused while slower "
-                   "than plain decoding); without it every round drafts k (default: the "
-                   "artifact's, normally on)")
+    _catalogue_args(p.add_argument_group("drafting"), DRAFT)
 
 
 def _options(args) -> dict:
     """The generation options given on the command line, by their flat names (None: the
     model's), checked before anything loads."""
-    from .settings import DRAFT_FIELDS, SAMPLING_OPTIONS, Settings
-    options = {name: getattr(args, name) for name in (*SAMPLING_OPTIONS, *DRAFT_FIELDS)}
+    from .settings import Settings
+    options = {option.name: getattr(args, option.name) for option in (*SAMPLING, *DRAFT)}
     options["max_new_tokens"] = args.max_new_tokens
     if hasattr(args, "plain"):
         options["mode"] = "plain" if args.plain else "speculative"
@@ -397,7 +386,7 @@ def _runtime_args(p):
                    help="execution provider (default: CUDA if the artifact was built for it "
                    "and onnxruntime-gpu sees a GPU, else CPU)")
     p.add_argument("--threads", type=_positive, default=None,
-                   help="CPU threads, >= 1 (default: ORT's)")
+                   help="CPU threads, >= 1 (default: one per CPU this process may use)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the sha256 check of the artifact's files (sizes are still checked)")
 
@@ -417,7 +406,7 @@ def _export(args):
                  adapter_minutes=args.adapter_minutes, save_adapter=args.save_adapter,
                  int4_scheme=args.int4_scheme, head_bits=args.head_bits,
                  calibration_minutes=args.calibration_minutes, gptq=not args.no_gptq,
-                 log=lambda msg: print(msg, file=sys.stderr))
+                 threads=args.threads, log=lambda msg: print(msg, file=sys.stderr))
 
 
 def _positive(text):

@@ -32,6 +32,7 @@ with its own pad row, exactly as when it runs alone, so a reply in a batch is bi
 its solo reply.
 """
 import functools
+import os
 import statistics
 import time
 
@@ -86,17 +87,29 @@ def choose_provider(artifact: Artifact, device: str = "auto") -> str:
 _pool_threads = None  # size of the process-wide thread pool, once made
 
 
-def _session_options(threads):
-    """Options that make the three sessions share one thread pool.
+def default_threads() -> int:
+    """The threads the runtime uses when not told: one per CPU this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
-    They run in turn, many times per token: with a pool each, the idle pools' spinning
-    threads starve the running one (DESIGN.md has the measurement). The pool is made once
-    per process; later `threads` values do not resize it.
-    """
+
+def set_threads(threads: int = None) -> int:
+    """Make the process-wide thread pool with `threads` (None: default_threads()) unless
+    it is made; the pool's size. Sessions run in turn, many times per token: with a pool
+    each, the idle pools' spinning threads starve the running one. The pool is made once
+    per process; later counts do not resize it."""
     global _pool_threads
     if _pool_threads is None:
-        _pool_threads = threads or 0  # 0: ONNX Runtime's default, one per core
+        _pool_threads = threads or default_threads()
         ort_state.set_global_thread_pool_sizes(_pool_threads, 1)
+    return _pool_threads
+
+
+def _session_options(threads):
+    """Options that make the sessions share the process's one thread pool."""
+    set_threads(threads)
     options = ort.SessionOptions()
     options.use_per_session_threads = False
     options.log_severity_level = 3
@@ -152,6 +165,7 @@ class Engine:
         self.provider = choose_provider(artifact, device)
         self.device = "cuda" if self.provider == "CUDAExecutionProvider" else "cpu"
         options = _session_options(threads)
+        self.threads = _pool_threads  # what it runs with, whatever `threads` asked
         self.sessions = {}
         for name in artifact.graphs:
             try:
@@ -599,6 +613,7 @@ def batch_round_costs(engine: Engine, cached=200, repeat=9) -> dict:
                 engine.head_rows(range(slots * each))
                 times.append(time.perf_counter() - start)
             costs[slots][slots * each] = 1e3 * statistics.median(times)
+    engine._batch = None  # its calls hold the sequences measured on: let them go
     return costs
 
 
@@ -610,6 +625,19 @@ def check_context(wanted, most: int) -> int:
         raise EdgespecError(f"invalid max context {wanted!r}: it must be from 2 to the "
                             f"artifact's {most} (export with a larger --max-context for more)")
     return wanted
+
+
+def measured_costs(engine: Engine) -> dict:
+    """What a round through lower, upper and head costs on this machine by rows, in plain
+    steps, for one sequence (lookup plans its drafts on it) and for batches of sequences
+    (the batch planner's), and at how many threads: the manifest's fields."""
+    ms = engine.round_costs()
+    batches = batch_round_costs(engine)
+    return {"round_costs": {str(rows): round(cost / ms[1], 3) for rows, cost in ms.items()},
+            "batch_round_costs": {str(slots): {str(rows): round(cost / ms[1], 3)
+                                               for rows, cost in by_rows.items()}
+                                  for slots, by_rows in batches.items()},
+            "threads": engine.threads}
 
 
 def _host_array(shape, dtype, align=64) -> np.ndarray:

@@ -1,4 +1,7 @@
 """The embedding API: a loaded artifact that turns prompts into text."""
+import contextlib
+import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -6,7 +9,7 @@ from .artifact import open_artifact
 from .batch import Batch
 from .decoder import Decoder, drafters_for
 from .drafter import Pace
-from .engine import ContextFull, Engine
+from .engine import ContextFull, Engine, measured_costs
 from .errors import EdgespecError
 from .sampling import Sampler
 from .settings import DraftPolicy, Settings
@@ -48,6 +51,9 @@ class Generation:
         """Its headline numbers, as phrases (chat, the desktop app)."""
         return [f"{self.n_generated} tokens", f"{self.decode_tokens_per_s:.1f} tokens/s",
                 *(self.stats.brief() or [self.mode])]
+
+
+COSTS_THREADS = 2  # the threads an artifact that does not record them was measured at
 
 
 class StopReply(Exception):
@@ -116,6 +122,7 @@ class Model:
         self.defaults = Settings(self.sampling,
                                  DraftPolicy.from_manifest(self.artifact.manifest.get("draft", {})))
         self._by_policy = {}  # draft policy -> its Pace and drafters, kept across generations
+        self.costs = self._round_costs()  # what rounds cost here: the plans weigh drafts by it
 
     def settings(self, **options) -> Settings:
         """The model's defaults with these options (validated: a SettingError names a bad one)."""
@@ -230,7 +237,7 @@ class Model:
         replies shared only with the same `owner`'s."""
         policy = settings.draft
         if policy not in self._by_policy:
-            pace = Pace(self.artifact.manifest.get("round_costs"))
+            pace = Pace(self.costs["round_costs"] or None)
             self._by_policy[policy] = pace, drafters_for(policy, self.engine, pace)
         pace, drafters = self._by_policy[policy]
         if settings.mode != "speculative":
@@ -259,6 +266,29 @@ class Model:
         reused = self.sequence.shared_prefix(prompt_ids) if reuse_cache else 0
         self.engine.rollback(reused)
         return self.engine.prefill(prompt_ids[reused:]), reused
+
+    def _round_costs(self) -> dict:
+        """round_costs and batch_round_costs as in the manifest: its own when it measured
+        them at the threads this engine runs with, else measured now (once, said in a
+        line) and kept beside the artifact for the next load."""
+        manifest, threads = self.artifact.manifest, self.engine.threads
+        costs = {name: manifest.get(name, {}) for name in ("round_costs", "batch_round_costs")}
+        measured_at = manifest.get("threads", COSTS_THREADS)
+        if measured_at == threads or self.engine.device != "cpu" or not costs["round_costs"]:
+            return costs
+        kept = self.artifact.path / f"round_costs.{threads}-threads.json"
+        with contextlib.suppress(OSError, ValueError):
+            known = json.loads(kept.read_text())
+            if isinstance(known, dict) and known.get("threads") == threads and all(
+                    isinstance(known.get(name), dict) for name in costs):
+                return known
+        print(f"{self.artifact.path.name}: its round costs were measured at {measured_at} "
+              f"threads and this runtime uses {threads}; measuring them at {threads} (once: "
+              f"kept in {kept.name})", file=sys.stderr, flush=True)
+        costs = measured_costs(self.engine)
+        with contextlib.suppress(OSError):  # a read-only artifact measures at every load
+            kept.write_text(json.dumps(costs))
+        return costs
 
     def _check_prompt(self, prompt_ids):
         limit = self.engine.max_context

@@ -30,7 +30,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from .errors import SettingError
+from .errors import SettingError, is_int
 
 # Without a top-k or top-p or min-p filter every token keeps some probability: tokens whose
 # weight is below this fraction of the likeliest's are drawn, in id order, only when the
@@ -63,9 +63,8 @@ class SamplingParams:
              "in [-2, 2] (0 is off)"),
             ("frequency-penalty", self.frequency_penalty, -2 <= self.frequency_penalty <= 2,
              "in [-2, 2] (0 is off)"),
-            ("seed", self.seed, self.seed is None or (
-                isinstance(self.seed, int) and not isinstance(self.seed, bool)
-                and 0 <= self.seed < 2**63), "an integer in [0, 2**63)"),
+            ("seed", self.seed, self.seed is None or is_int(self.seed, 0, 2**63),
+             "an integer in [0, 2**63)"),
         ]
         for name, value, ok, expected in checks:
             if not ok or (isinstance(value, float) and not np.isfinite(value)):

@@ -3,11 +3,13 @@ plain or speculative, the sampling settings, the draft policy and the stop strin
 
 Every entry point (the Python API, the command line, chat, the server, the desktop app)
 gives its options by the same flat names (temperature, draft_k, stop, ...) to
-`Settings.with_options`; an invalid one raises a SettingError that names it."""
+`Settings.with_options`; an invalid one raises a SettingError that names it. The options
+are listed once, in CATALOGUE, with their type and what they do: the command line's flags,
+chat's /set and the server's fields are made from it."""
 import dataclasses
 from dataclasses import dataclass
 
-from .errors import SettingError
+from .errors import SettingError, is_int, is_number
 from .sampling import SAMPLING_FIELDS, SamplingParams
 
 MODES = ("speculative", "plain")
@@ -15,16 +17,56 @@ MAX_STOPS, MAX_STOP_CHARS = 4, 1000  # stop strings cost per character of reply 
 MAX_DRAFT_K = 32
 
 
-def _flag(name):
-    return name.replace("_", "-")
+@dataclass(frozen=True)
+class Option:
+    """A generation option: its flat name (the Python keyword, the API's field, chat's /set;
+    the command line's flag is --name-with-dashes), its type, and what it does. Its range
+    and default belong to the object that holds it (SamplingParams, DraftPolicy, Settings),
+    which checks them."""
+    name: str
+    kind: type  # int, float, bool or str
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+SAMPLING = (
+    Option("temperature", float, "0 is greedy"),
+    Option("top_k", int, "keep the k likeliest tokens (0: off)"),
+    Option("top_p", float, "keep the likeliest tokens whose mass reaches this, in (0, 1] "
+           "(1: off)"),
+    Option("min_p", float, "drop tokens below min-p times the likeliest (0: off)"),
+    Option("repetition_penalty", float, "divide the logits of tokens already in the "
+           "conversation (1: off)"),
+    Option("presence_penalty", float, "subtract from the logits of tokens already in it, in "
+           "[-2, 2] (0: off)"),
+    Option("frequency_penalty", float, "subtract this times a token's count so far, in "
+           "[-2, 2] (0: off)"),
+    Option("seed", int, "the same seed gives the same reply, speculative or plain (default: "
+           "a fresh one each reply)"),
+)
+DRAFT = (
+    Option("draft_k", int, "the most early-exit drafts per round, 0 for none (default: the "
+           "artifact's calibrated value)"),
+    Option("draft_threshold", float, "stop drafting when the draft's top probability falls "
+           "below this (default: the artifact's, 0 is off)"),
+    Option("lookup_k", int, "the most lookup drafts per round (copied from the prompt, the "
+           "reply or recent replies), 0 to 32, 0 for none (default: the artifact's)"),
+    Option("adaptive", bool, "choose each round's k: lookup's from its expected tokens per "
+           "measured round cost, the early exit's from timing (paused while slower than "
+           "plain decoding); without it every round drafts k (default: the artifact's, "
+           "normally on)"),
+)
+REPLY = (
+    Option("max_new_tokens", int, "the most tokens a reply has"),
+    Option("mode", str, "speculative (default) or plain: the same output"),
+    Option("stop", str, "end the reply where this text first appears, leaving it out (up "
+           "to 4)"),
+    Option("ignore_eos", bool, "go on past the end of the turn, to max_new_tokens"),
+)
+CATALOGUE = {option.name: option for option in (*SAMPLING, *DRAFT, *REPLY)}
 
 
 @dataclass(frozen=True)
@@ -42,10 +84,10 @@ class DraftPolicy:
     def __post_init__(self):
         for name in ("draft_k", "lookup_k"):
             value = getattr(self, name)
-            if not _is_int(value) or not 0 <= value <= MAX_DRAFT_K:
-                raise SettingError(f"invalid {_flag(name)} {value}: it must be an integer in "
-                                   f"0..{MAX_DRAFT_K}", name)
-        if not (_is_number(self.draft_threshold) and 0 <= self.draft_threshold < 1):
+            if not is_int(value, 0, MAX_DRAFT_K + 1):
+                raise SettingError(f"invalid {name.replace('_', '-')} {value}: it must be an "
+                                   f"integer in 0..{MAX_DRAFT_K}", name)
+        if not (is_number(self.draft_threshold) and 0 <= self.draft_threshold < 1):
             raise SettingError(f"invalid draft-threshold {self.draft_threshold}: it must be "
                                "in [0, 1)", "draft_threshold")
         if not isinstance(self.adaptive, bool):
@@ -82,7 +124,7 @@ class Settings:
     ignore_eos: bool = False    # generate max_new_tokens even past end-of-turn tokens
 
     def __post_init__(self):
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens, 1):
             raise SettingError(f"invalid max-new-tokens {self.max_new_tokens}: it must be an "
                                "integer >= 1", "max_new_tokens")
         if self.mode not in MODES:
@@ -113,5 +155,7 @@ class Settings:
                                    draft=dataclasses.replace(self.draft, **draft), **own)
 
 
-SAMPLING_OPTIONS = (*SAMPLING_FIELDS, "seed")
-OPTIONS = (*SAMPLING_OPTIONS, *DRAFT_FIELDS, "max_new_tokens", "mode", "stop", "ignore_eos")
+SAMPLING_OPTIONS = tuple(option.name for option in SAMPLING)
+OPTIONS = tuple(CATALOGUE)
+assert SAMPLING_OPTIONS == (*SAMPLING_FIELDS, "seed") and \
+    tuple(option.name for option in DRAFT) == DRAFT_FIELDS, "CATALOGUE lists every field"

@@ -16,7 +16,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from .errors import EdgespecError
+from .errors import EdgespecError, is_int
 
 ESCAPE, END = "\ue000", "\ue001"  # private use: a placeholder is ESCAPE, an index, END
 TEMPLATE_ITEMS = 1 << 20  # the longest string or list one template operation may make
@@ -134,21 +134,17 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**", "+"})
 
     def call_binop(self, context, operator, left, right):
-        if operator == "**" and _is_int(left) and _is_int(right) and abs(left) > 1 and right > 0:
+        if operator == "**" and is_int(left) and is_int(right) and abs(left) > 1 and right > 0:
             _check_bits(left.bit_length() * right, operator)
-        elif operator == "*" and _is_int(left) and _is_int(right):
+        elif operator == "*" and is_int(left) and is_int(right):
             _check_bits(left.bit_length() + right.bit_length(), operator)
         elif operator == "*":
             for items, times in ((left, right), (right, left)):
-                if _is_sized(items) and _is_int(times):
+                if _is_sized(items) and is_int(times):
                     _check_items(len(items) * times, operator)
         elif _is_sized(left) and _is_sized(right):
             _check_items(len(left) + len(right), operator)
         return super().call_binop(context, operator, left, right)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_sized(value) -> bool:

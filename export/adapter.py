@@ -75,7 +75,7 @@ def _generate(art, prompts, todo, sequences, files, max_new_tokens, top_k):
     from edgespec.engine import Engine
     from edgespec.tokenizer import TextCodec
 
-    engine = Engine(art, threads=2)
+    engine = Engine(art)
     codec = TextCodec.for_artifact(art)
     eos = set(art.eos_token_ids)
     with progress(len(todo) * max_new_tokens, "collecting generations", unit="tok") as bar:

@@ -83,7 +83,7 @@ def with_exit_states(artifact_dir, sequences) -> list:
     from edgespec.artifact import open_artifact
     from edgespec.engine import Engine
 
-    engine = Engine(open_artifact(artifact_dir, verify=False), threads=2)
+    engine = Engine(open_artifact(artifact_dir, verify=False))
     moved = []
     for s in sequences:
         engine.reset()
@@ -98,7 +98,7 @@ def measure(artifact_dir, policies: list, prompts: list, log=print) -> list:
     speculative / plain tokens per second, tokens per round, and whether output matched."""
     import edgespec
 
-    model = edgespec.load(artifact_dir, threads=2, verify=False)
+    model = edgespec.load(artifact_dir, verify=False)
     ratios = [[] for _ in policies]
     rounds = [[0, 0] for _ in policies]
     identical = [True] * len(policies)
@@ -126,26 +126,18 @@ def measure(artifact_dir, policies: list, prompts: list, log=print) -> list:
 
 
 def round_costs(artifact_dir) -> dict:
-    """What a round through lower, upper and head costs here by rows, in plain steps, for
-    one sequence (`edgespec bench`'s table: lookup plans its draft lengths on it) and for
-    batches of sequences (the batch planner's): the manifest's fields."""
-    import edgespec
-    from edgespec.engine import batch_round_costs
+    """The manifest's round costs, measured here at the process's thread count."""
+    from edgespec.artifact import open_artifact
+    from edgespec.engine import Engine, measured_costs
 
-    engine = edgespec.load(artifact_dir, threads=2, verify=False).engine
-    ms = engine.round_costs()
-    batches = batch_round_costs(engine)
-    return {"round_costs": {str(rows): round(cost / ms[1], 3) for rows, cost in ms.items()},
-            "batch_round_costs": {str(slots): {str(rows): round(cost / ms[1], 3)
-                                               for rows, cost in by_rows.items()}
-                                  for slots, by_rows in batches.items()}}
+    return measured_costs(Engine(open_artifact(artifact_dir, verify=False)))
 
 
 def plain_token_seconds(artifact_dir, prompt) -> float:
     """Seconds per token of plain greedy decoding here: a short generation after a warm-up."""
     import edgespec
 
-    model = edgespec.load(artifact_dir, threads=2, verify=False)
+    model = edgespec.load(artifact_dir, verify=False)
     ids = model.encode(prompt)
     model.generate_ids(ids, 4, mode="plain", ignore_eos=True, temperature=0)
     return 1 / model.generate_ids(ids, PROBE_TOKENS, mode="plain", ignore_eos=True,

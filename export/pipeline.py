@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 from edgespec import __version__
+from edgespec.engine import set_threads
 from edgespec.errors import EdgespecError
 
 from edgespec.artifact import BATCH_SLOTS, DRAFT_VOCAB
@@ -78,7 +79,7 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
                  device="cpu", adapter=None, shortlist=None, calibrate=False,
                  adapter_minutes=DEFAULT_ADAPTER_MINUTES, save_adapter=None, int4_scheme="zp",
                  head_bits=DEFAULT_HEAD_BITS, calibration_minutes=DEFAULT_CALIBRATION_MINUTES,
-                 gptq=True, log=print):
+                 gptq=True, threads=None, log=print):
     """Export MODEL (None: the bundled SmolLM2) and return the manifest written.
 
     exit_layer: a layer number, None (3/4 of the depth) or "auto" (chosen by measured speed
@@ -93,9 +94,12 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
     slower); head_bits: 8, 4 or "mixed" (the most used tokens at 8 bits, the rest at 4)
     for the vocabulary table of int4 artifacts. gptq: choose the zp int4 weights of the
     decoder layers and the table's 4-bit rows by GPTQ on calibration text (export/gptq.py),
-    else round each on its own."""
+    else round each on its own. threads: the CPU threads calibration and the round costs
+    are measured at (default: what the runtime uses on this machine); the manifest records
+    them."""
     start = time.perf_counter()
     check_formats(precision, device, int4_scheme, head_bits)
+    set_threads(threads)  # the process's one pool: every measurement runs on it
     log(f"reading {model or 'the bundled SmolLM2-135M-Instruct'} ...")
     source = load_source(model)
     log(f"read {source.arch.model_type}: {source.arch.num_layers} layers, hidden "
@@ -298,7 +302,7 @@ def _summary(out, manifest, seconds, log):
         f"{'adaptive' if draft.get('adaptive') else 'fixed'}"
         + (f"; measured {max(speed):.2f}x plain on the calibration prompts" if speed else "")
         + "\n"
-        + ("  a round of M rows costs (plain steps): " + ", ".join(
+        + (f"  a round of M rows costs (plain steps, {manifest['threads']} threads): " + ", ".join(
             f"{rows}: {cost:.2f}" for rows, cost in manifest["round_costs"].items()) + "\n"
            if "round_costs" in manifest else "") +
         f"  quality on a fixed {q['tokens']}-token text: top-1 agreement {q['top1_agreement']:.3f} "

@@ -5,7 +5,7 @@ import time
 import uuid
 
 from edgespec.sampling import SAMPLING_FIELDS
-from edgespec.settings import SAMPLING_OPTIONS, SettingError
+from edgespec.settings import SAMPLING, SettingError
 
 
 class BadRequest(Exception):
@@ -89,8 +89,8 @@ def generation_settings(body: dict, model, allow_ignore_eos: bool = False,
     if _number(body, "n", 1, integer=True) != 1:
         raise BadRequest("only n = 1 is supported", "n")
     _refuse_unsupported(body)
-    options = {name: _number(body, name, None, integer=name in ("top_k", "seed"))
-               for name in SAMPLING_OPTIONS}
+    options = {option.name: _number(body, option.name, None, integer=option.kind is int)
+               for option in SAMPLING}
     if (options["temperature"] or 0) > 2:
         raise BadRequest("temperature must be in [0, 2]", "temperature")
     ignore_eos = _flag(body, "ignore_eos")

@@ -33,7 +33,7 @@ def available_bytes():
 def default_parallel(model, available) -> int:
     """The most places (1 or a batch size) whose round costs each reply at most 1 / SHARE
     plain steps and whose caches fit in `available` bytes."""
-    costs = model.artifact.manifest.get("batch_round_costs") or {}
+    costs = model.costs["batch_round_costs"]
     if model.engine.device != "cpu":  # the batch graphs run on the CPU provider only
         return 1
     best = 1
