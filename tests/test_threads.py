@@ -15,7 +15,7 @@ def exported(tiny_checkpoint, tmp_path_factory):
     for threads in (1, 4):
         paths[threads] = out / f"at-{threads}"
         done = run_cli("export", tiny_checkpoint, "-o", paths[threads], "--threads", threads,
-                       "--no-calibrate", "--no-gptq")
+                       "--no-calibrate", "--exit-layer", "2", "--no-gptq")
         assert done.returncode == 0, done.stderr
         assert f"plain steps, {threads} threads" in done.stderr
     return paths
