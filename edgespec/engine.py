@@ -627,12 +627,13 @@ def check_context(wanted, most: int) -> int:
     return wanted
 
 
-def measured_costs(engine: Engine) -> dict:
+def measured_costs(engine: Engine, repeat: int = 9) -> dict:
     """What a round through lower, upper and head costs on this machine by rows, in plain
     steps, for one sequence (lookup plans its drafts on it) and for batches of sequences
-    (the batch planner's), and at how many threads: the manifest's fields."""
-    ms = engine.round_costs()
-    batches = batch_round_costs(engine)
+    (the batch planner's), and at how many threads: the manifest's fields. Medians of
+    `repeat` rounds (a single sequence's of more: its rounds are shorter)."""
+    ms = engine.round_costs(repeat=repeat * 5 // 3)
+    batches = batch_round_costs(engine, repeat=repeat)
     return {"round_costs": {str(rows): round(cost / ms[1], 3) for rows, cost in ms.items()},
             "batch_round_costs": {str(slots): {str(rows): round(cost / ms[1], 3)
                                                for rows, cost in by_rows.items()}

@@ -285,7 +285,7 @@ class Model:
         print(f"{self.artifact.path.name}: its round costs were measured at {measured_at} "
               f"threads and this runtime uses {threads}; measuring them at {threads} (once: "
               f"kept in {kept.name})", file=sys.stderr, flush=True)
-        costs = measured_costs(self.engine)
+        costs = measured_costs(self.engine, repeat=3)  # a load's quick look, not an export's
         with contextlib.suppress(OSError):  # a read-only artifact measures at every load
             kept.write_text(json.dumps(costs))
         return costs
