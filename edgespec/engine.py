@@ -31,7 +31,6 @@ depend on the others), and each sequence has its own GroupQueryAttention on its 
 with its own pad row, exactly as when it runs alone, so a reply in a batch is bit for bit
 its solo reply.
 """
-import functools
 import os
 import statistics
 import time
@@ -42,7 +41,6 @@ from onnxruntime.capi import _pybind_state as ort_state
 
 from .artifact import BATCH_SLOTS, MANIFEST, PAD_ROWS, Artifact
 from .errors import EdgespecError
-from .top_logits import TopLogits
 
 CHUNK = 256  # the most positions one call handles (prefill is cut into chunks)
 COST_ROWS = (1, 2, 3, 4, 6, 8, 16, 32)  # the rows of a round whose cost round_costs measures
@@ -189,11 +187,6 @@ class Engine:
         if "draft" in self.sessions:
             self._draft_logits = np.full(self.vocab_size, -np.inf, np.float32)  # -inf: not
             # in the shortlist, so never drafted
-
-    @functools.cached_property
-    def top_logits(self) -> TopLogits:
-        """Finds the largest logits of a row of head's output, for the sampler."""
-        return TopLogits(_session_options(None))
 
     def _alloc(self, shape):
         return ort.OrtValue.ortvalue_from_shape_and_type(shape, self.dtype, self.device, 0)

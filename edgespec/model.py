@@ -244,7 +244,7 @@ class Model:
             drafters = []
         elif own_text:
             drafters = [d.for_text(owner) for d in drafters]
-        return Decoder(self.engine, Sampler(settings.sampling, self.engine.top_logits),
+        return Decoder(self.engine, Sampler(settings.sampling),
                        drafters, pace)
 
     def _reply(self, settings) -> Reply:

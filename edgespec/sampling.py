@@ -5,11 +5,11 @@ given its history"; greedy decoding takes the argmax of the penalized logits, sa
 draws from the candidates.
 
 Cost: the chain touches the whole vocabulary only in a few float32 vector passes (with
-top-k one TopK in ONNX Runtime when the caller has one, else a max and a comparison;
-without top-k a copy for the penalties and an exponential) and sorts and normalizes just
-the tokens a filter keeps, top-k's few in plain Python lists: between two ONNX Runtime runs
-a numpy call's fixed cost outweighs the work on so few (DESIGN.md). Penalties
-read token counts kept up to date as the history grows, not the history itself.
+top-k a max and a comparison; without top-k a copy for the penalties and an exponential)
+and sorts and normalizes just the tokens a filter keeps, top-k's few in plain Python lists:
+between two ONNX Runtime runs a numpy call's fixed cost outweighs the work on so few
+(DESIGN.md). Penalties read token counts kept up to date as the history grows, not the
+history itself.
 
 A draw is one uniform per position, u = hash(seed, position), through the inverse CDF of
 the kept tokens in order of falling probability (ties by id); a fixed order that depends
@@ -197,13 +197,10 @@ def uniform(seed: int, position: int) -> float:
 class Sampler:
     """Chooses the token at position len(history) + len(pending) of one generation (its
     history only grows): the argmax of the penalized logits when greedy, else a seeded draw
-    from its candidates. `top`: a TopLogits (top_logits.py) that finds a row's largest
-    logits in one call, or None (numpy finds them)."""
+    from its candidates."""
 
-    def __init__(self, params: SamplingParams, top=None):
-        self.params, self.top = params, top
-        self._penalties32 = [float(np.float32(x)) for x in (
-            params.repetition_penalty, params.presence_penalty, params.frequency_penalty)]
+    def __init__(self, params: SamplingParams):
+        self.params = params
         self.seed = params.seed if params.seed is not None else \
             int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1)
         self.counts = None  # TokenCounts of the history, when a penalty reads them
@@ -254,16 +251,6 @@ class Sampler:
         seen = self.counts.seen[:self.counts.n_seen]
         z[seen] = self._penalize(z[seen], self.counts.count[seen])
         return z
-
-    def _penalize_one(self, value: float, count: int) -> float:
-        """_penalize for one token, in Python floats rounded as numpy rounds the arrays
-        (the penalties as float32, each result rounded to float32)."""
-        r, presence, frequency = self._penalties32
-        if r != 1.0:
-            value = float(np.float32(value / r if value > 0 else value * r))
-        if presence or frequency:
-            value = float(np.float32(value - (presence + frequency * count)))
-        return value
 
     def _penalize(self, values: np.ndarray, count: np.ndarray) -> np.ndarray:
         """Penalized logits of tokens seen count (> 0) times."""
@@ -317,38 +304,12 @@ class Sampler:
     def ranked_top(self, z: np.ndarray, k: int) -> list:
         """[(-penalized logit, id)] of the k tokens with the largest penalized logits and
         every token tied with the k-th, the largest first, ties by id."""
-        if self.top is not None:
-            ranked = self._ranked_among_top(z, k)
-            if ranked is not None:
-                return ranked
         ids, values = self.near_top(z, k)
         order = np.argsort(-values, kind="stable")  # ids ascend: ties stay in id order
         values = values[order]
         n = np.searchsorted(-values, -values[k - 1], "right") \
             if ids.size > k else ids.size  # ties with the k-th stay
         return list(zip((-values[:n]).tolist(), ids[order[:n]].tolist()))
-
-    def _ranked_among_top(self, z: np.ndarray, k: int):
-        """ranked_top from the largest raw logits `top` finds, or None where they may not
-        hold the answer: fewer than k of them unseen, a penalty that may raise a logit, or
-        a penalized k-th no larger than the smallest of them (a token outside could tie)."""
-        if not k < self.top.k < z.size or self.params.raises:
-            return None
-        found, raw = self.top(z)
-        ids, raw = found.tolist(), raw.tolist()
-        if self.counts is None:
-            ranked = sorted(zip([-v for v in raw], ids))
-        else:
-            seen = self.counts.count[found].tolist()
-            if seen.count(0) < k:
-                return None
-            penalize = self._penalize_one
-            ranked = sorted([(-(penalize(v, c) if c else v), i)
-                             for v, i, c in zip(raw, ids, seen)])
-        kth = ranked[k - 1][0]
-        if -kth <= min(raw):
-            return None
-        return ranked[:bisect_right(ranked, (kth, math.inf))]
 
     def candidates(self, z: np.ndarray) -> Candidates:
         """Temperature, then top-k, top-p and min-p, over raw logits `z` (the token counts

@@ -423,16 +423,3 @@ def build_head(blocks: Blocks, dtype) -> Graph:
     logits = blocks.lm_head(g, blocks.rms_norm(g, picked, "model.norm"))
     g.output(logits, "logits", g.dtype, [1, "rows", blocks.arch.vocab_size])
     return g
-
-
-def build_top_k(k: int) -> onnx.ModelProto:
-    """The runtime's TopK graph (edgespec/data/top_k.onnx): the k largest logits of a row and
-    their ids. Fixed versions keep its bytes the same whichever onnx writes them."""
-    graph = helper.make_graph(
-        [helper.make_node("TopK", ["logits", "k"], ["values", "ids"], axis=-1)], "top_k",
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["rows", "vocab"])],
-        [helper.make_tensor_value_info("values", TensorProto.FLOAT, ["rows", k]),
-         helper.make_tensor_value_info("ids", TensorProto.INT64, ["rows", k])],
-        [helper.make_tensor("k", TensorProto.INT64, [1], [k])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                             ir_version=8, producer_name="edgespec")

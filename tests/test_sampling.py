@@ -2,11 +2,8 @@
 import numpy as np
 import pytest
 
-from edgespec.engine import _session_options
 from edgespec.errors import EdgespecError
 from edgespec.sampling import Sampler, SamplingParams, distribution, penalize
-from edgespec.top_logits import GRAPH, TopLogits
-from export.graph import build_top_k
 
 LOGITS = np.log(np.array([0.4, 0.3, 0.15, 0.1, 0.05], dtype=np.float32))
 
@@ -185,74 +182,3 @@ def test_a_sampler_kept_across_peaked_and_flat_positions_keeps_the_exact_top_k()
         np.testing.assert_allclose(fast, reference_distribution(logits, history, params),
                                    atol=1e-6, err_msg=f"step {step}")
         history.append(int(rng.integers(0, vocab)))
-
-
-@pytest.fixture(scope="module")
-def top():
-    return TopLogits(_session_options(None))  # the process's thread pool, as an engine's
-
-
-def random_params(rng, **fixed):
-    return SamplingParams(**{**dict(
-        temperature=float(rng.choice([0.3, 0.8, 1.5])), top_k=int(rng.choice([1, 5, 40, 63])),
-        top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0, 0.05])),
-        repetition_penalty=float(rng.choice([1.0, 1.1, 1.3, 0.8])),
-        presence_penalty=float(rng.choice([0, 0.5, -1])),
-        frequency_penalty=float(rng.choice([0, 0.4, -0.3]))), **fixed})
-
-
-def test_top_k_from_onnx_runtimes_top_logits_equals_numpys_exactly(top):
-    """The same candidates and weights, bit for bit, whether ONNX Runtime's TopK or numpy
-    found the largest logits: with ties, with many seen tokens among the likeliest, and for
-    every penalty (a raising one, or too few unseen among the 64, falls back to numpy)."""
-    rng = np.random.default_rng(11)
-    answered = 0
-    for trial in range(300):
-        vocab = int(rng.choice([300, 49152]))
-        logits = (rng.normal(size=vocab) * rng.choice([0.3, 2, 5])).astype(np.float32)
-        if trial % 3 == 0:
-            logits = np.round(logits)  # ties, at the k-th too
-        history = [int(t) for t in rng.integers(0, vocab, rng.integers(0, 100))]
-        if trial % 4 == 0:  # seen tokens among the likeliest
-            history += [int(t) for t in np.argsort(-logits)[:rng.integers(10, 60)]]
-        params = random_params(rng)
-        with_top, plain = Sampler(params, top), Sampler(params)
-        for sampler in (with_top, plain):
-            sampler._count(vocab, history, ())
-        answered += with_top._ranked_among_top(logits, params.top_k) is not None
-        fast, slow = with_top.candidates(logits), plain.candidates(logits)
-        assert (fast.ids, fast.weights) == (slow.ids, slow.weights), (trial, params)
-        greedy = SamplingParams(repetition_penalty=params.repetition_penalty)
-        assert Sampler(greedy, top)(logits, history) == Sampler(greedy)(logits, history)
-    assert answered > 40  # the TopK route was taken, not only the fallback
-
-
-def test_top_logits_answer_unless_a_token_beyond_them_could_count(top):
-    logits = np.random.default_rng(3).normal(size=49152).astype(np.float32)
-    likeliest = [int(t) for t in np.argsort(-logits)]
-
-    def answers(history, params=SamplingParams(temperature=0.8, top_k=40,
-                                                repetition_penalty=1.1), z=logits):
-        sampler = Sampler(params, top)
-        sampler._count(z.size, history, ())
-        return sampler._ranked_among_top(z, params.top_k) is not None
-
-    assert answers([]) and answers(likeliest[:24])
-    assert not answers(likeliest[:25])  # 39 unseen among the 64
-    assert not answers([], SamplingParams(temperature=0.8, top_k=40, repetition_penalty=0.9))
-    assert not answers([], SamplingParams(temperature=0.8, top_k=64))
-    assert not answers([], z=np.zeros(49152, np.float32))  # the k-th ties tokens beyond
-
-
-def test_one_token_penalized_in_python_rounds_as_the_arrays_do():
-    rng = np.random.default_rng(4)
-    values = (rng.normal(size=2000) * 8).astype(np.float32)
-    counts = rng.integers(1, 300, 2000).astype(np.int32)
-    for trial in range(40):
-        sampler = Sampler(random_params(rng))
-        one = [sampler._penalize_one(float(v), int(c)) for v, c in zip(values, counts)]
-        assert np.array_equal(np.array(one, np.float32), sampler._penalize(values, counts))
-
-
-def test_the_shipped_top_k_graph_is_the_one_export_builds():
-    assert GRAPH.read_bytes() == build_top_k(TopLogits.k).SerializeToString()

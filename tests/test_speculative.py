@@ -64,7 +64,10 @@ def test_greedy_equality_holds_with_prompt_lookup_drafts(tiny_model, draft_k, lo
     for seed in range(6):
         ids = repetitive_prompt(seed)
         plain = tiny_model.generate_ids(ids, 40, mode="plain").tokens
-        spec = tiny_model.generate_ids(ids, 40, draft_k=draft_k, lookup_k=lookup_k)
+        # fixed k: lookup drafts wherever it matches (an adaptive early exit, timed, may
+        # win every round on one machine and none on another)
+        spec = tiny_model.generate_ids(ids, 40, draft_k=draft_k, lookup_k=lookup_k,
+                                       adaptive=False)
         assert spec.tokens == plain, f"seed {seed}"
         by = spec.stats.drafters
         looked_up += by["lookup"].drafted
