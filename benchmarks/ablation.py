@@ -1,7 +1,7 @@
 """Drafting ablation: what each drafting piece adds, per category, on the same prompts.
 
     .venv/bin/python benchmarks/ablation.py models/smollm2-135m-instruct \
-        --prompts ../shared/data/spec_bench_dev.jsonl --per-category 4 --threads 2
+        --prompts benchmarks/data/spec_bench_dev.jsonl --per-category 2 --threads 2
 
 Five configurations, each an `edgespec bench` run (plain and speculative interleaved, greedy):
 raw early exit (no adapter, full draft head, fixed k 1), + exit adapter, + calibration (the

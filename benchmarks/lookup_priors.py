@@ -56,7 +56,7 @@ def rates(hits, tries, min_tries) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("artifact", nargs="?", default="models/smollm2-135m-instruct")
-    p.add_argument("--prompts", default="../shared/data/spec_bench_dev.jsonl")
+    p.add_argument("--prompts", default=str(Path(__file__).parent / "data" / "spec_bench_dev.jsonl"))
     p.add_argument("--per-category", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=32)

@@ -286,7 +286,7 @@ def main():
                    help="build --genai from MODEL (default: the bundled SmolLM2) and stop")
     p.add_argument("--quality", action="store_true",
                    help="compare quality on export's passage instead of speed")
-    p.add_argument("--prompts", default="../shared/data/spec_bench_dev.jsonl",
+    p.add_argument("--prompts", default=str(Path(__file__).parent / "data" / "spec_bench_dev.jsonl"),
                    help="JSON lines with a category and the first of `turns` as the user's "
                    "message or `messages` as the conversation (benchmarks/data/workloads.jsonl)")
     p.add_argument("--per-category", type=int, default=2)

@@ -4,13 +4,14 @@ Greedy, first turn of each prompt through the chat template, the same thread cou
 the two interleaved prompt by prompt in one process. Prints per-prompt tokens/s and medians.
 
     .venv/bin/python benchmarks/plain_decode.py models/smollm2-135m-instruct \
-        --prompts ../shared/data/spec_bench_dev.jsonl --per-category 3 --threads 2
+        --prompts benchmarks/data/spec_bench_dev.jsonl --per-category 2 --threads 2
 """
 import argparse
 import json
 import statistics
 import time
 from collections import defaultdict
+from pathlib import Path
 
 
 def pick_prompts(path, per_category):
@@ -48,7 +49,7 @@ def transformers_reference(source, threads):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("artifact")
-    p.add_argument("--prompts", default="../shared/data/spec_bench_dev.jsonl")
+    p.add_argument("--prompts", default=str(Path(__file__).parent / "data" / "spec_bench_dev.jsonl"))
     p.add_argument("--per-category", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)

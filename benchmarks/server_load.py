@@ -24,7 +24,7 @@ llama-server into .peers/. onnxruntime-genai is not a target: its continuous bat
 the CUDA provider. Then:
 
     .venv/bin/python benchmarks/server_load.py models/smollm2-135m-instruct \\
-        --prompts ../shared/data/spec_bench_dev.jsonl --threads 2 --clients 1 2 4 8
+        --threads 2 --clients 1 2 4 8
 """
 import argparse
 import contextlib
@@ -385,12 +385,12 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("artifact", type=Path, help="an edgespec artifact directory")
-    p.add_argument("--prompts", required=True, type=Path,
+    p.add_argument("--prompts", type=Path, default=REPO / "benchmarks/data/spec_bench_dev.jsonl",
                    help="Spec-Bench style JSONL (question_id, category, turns): the first "
-                   "turn of each row is sent")
+                   "turn of each row is sent (default: the repository's dev prompts)")
     p.add_argument("--categories", nargs="+", default=list(CATEGORIES), metavar="CATEGORY",
                    help=f"default: {' '.join(CATEGORIES)}")
-    p.add_argument("--per-category", type=int, default=3, metavar="N",
+    p.add_argument("--per-category", type=int, default=2, metavar="N",
                    help="the first N prompts of each category (default: %(default)s)")
     p.add_argument("--targets", default=",".join(TARGETS),
                    help=f"comma list of {', '.join(TARGETS)} (default: all)")

@@ -16,7 +16,7 @@ EXAMPLES = """examples:
   edgespec chat models/smollm2-135m-instruct --show-drafts
   edgespec generate models/smollm2-135m-instruct -p "Name three primes."
   edgespec generate models/smollm2-135m-instruct -p "Hi" --temperature 0.7 --seed 1 --json
-  edgespec bench models/smollm2-135m-instruct --prompts ../shared/data/spec_bench_dev.jsonl --per-category 3
+  edgespec bench models/smollm2-135m-instruct --prompts benchmarks/data/spec_bench_dev.jsonl
   edgespec serve models/smollm2-135m-instruct --port 8000
   edgespec desktop models/smollm2-135m-instruct
 """
