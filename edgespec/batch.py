@@ -76,7 +76,7 @@ class Member:
 class Batch:
     """Replies decoded together, at most `parallel` at a time; the rest wait in arrival
     order and take a place as soon as one is free. Each place's KV cache is allocated when
-    the batch is made (engine.sequence_bytes each).
+    the batch is made (engine.sequence_bytes each), the first being the model's own.
 
     A place keeps its cache after a reply: the next reply of the same owner that starts
     with the same tokens (the next turn of a chat) runs only what follows them. Replies of

@@ -288,7 +288,7 @@ def _serve_args(sub, common):
                           "Retry-After.")
     p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
     p.add_argument("--port", type=int, default=8000, help="default: 8000")
-    p.add_argument("--parallel", type=_positive, default=None, metavar="N",
+    p.add_argument("--parallel", type=_parallel, default=None, metavar="N",
                    help="requests decoded at once, 1 to 8; each holds a KV cache of "
                    "--max-context tokens from the start (default: the most at which each "
                    "reply still decodes at least a third as fast as alone, by the "
@@ -340,9 +340,6 @@ def _serve(args):
     keys = args.api_key or os.environ.get("EDGESPEC_API_KEY", "").split()
     for key in keys:
         check_api_key(key)  # before the model loads: a bad key fails at once
-    if args.parallel is not None and args.parallel > places.MOST:
-        raise EdgespecError(f"invalid --parallel {args.parallel}: it must be from 1 to "
-                            f"{places.MOST}")
     model = _load(args, args.max_context)
     available = places.available_bytes()
     parallel = args.parallel or places.default_parallel(model, available)

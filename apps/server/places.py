@@ -10,7 +10,6 @@ import os
 from edgespec.artifact import BATCH_SLOTS
 from edgespec.errors import EdgespecError
 
-MOST = max(BATCH_SLOTS)
 SHARE = 1 / 3  # the least part of its solo speed a reply keeps at the default places
 MIB, GIB = 2 ** 20, 2 ** 30
 
@@ -33,10 +32,9 @@ def available_bytes():
 def default_parallel(model, available) -> int:
     """The most places (1 or a batch size) whose round costs each reply at most 1 / SHARE
     plain steps and whose caches fit in `available` bytes."""
-    costs = model.costs["batch_round_costs"]
     if model.engine.device != "cpu":  # the batch graphs run on the CPU provider only
         return 1
-    best = 1
+    costs, best = model.costs["batch_round_costs"], 1
     for places in BATCH_SLOTS:
         cost = (costs.get(str(places)) or {}).get(str(places))
         if cost is not None and cost <= 1 / SHARE and fits(places, model.engine.sequence_bytes,
