@@ -78,18 +78,20 @@ def _export_args(sub, common):
                    help="weight format: auto (default): int4, or int8 for "
                    "architectures int4 follows too loosely (Gemma 3); int8: 8 bits "
                    "everywhere, closest to the source")
-    p.add_argument("--int4-scheme", default="zp", choices=("zp", "q4_1"),
-                   help="zp (default): a 4-bit zero point and a scale per block, searched for "
-                   "the least error, one fast op per linear layer; q4_1: the GGUF Q4_1 grid "
-                   "(a float minimum per block), exact for Q4_1 sources but slower")
+    p.add_argument("--int4-scheme", default="auto", choices=("auto", "source", "zp"),
+                   help="auto (default): source for a quantized GGUF, else zp. source: the "
+                   "GGUF's own grids kept (its codes and scales; 5- to 8-bit codes at 8 "
+                   "bits), so the artifact answers as the file's model does; zp: weights "
+                   "re-rounded to 4-bit zero points by GPTQ, faster but answering "
+                   "differently (export prints its fidelity)")
     p.add_argument("--no-gptq", action="store_true",
                    help="round each int4 weight on its own instead of GPTQ (which rounds a "
                    "layer's weights to keep its outputs on calibration text): a faster "
                    "export that follows the full model less closely")
     p.add_argument("--head-bits", default="mixed", choices=(8, 4, "mixed"),
                    type=lambda v: int(v) if v.isdigit() else v,
-                   help="bits of the int4 artifact's vocabulary table, the embedding and "
-                   "lm_head: mixed (default): the first 8192 token ids (in BPE vocabularies "
+                   help="bits of a zp artifact's vocabulary table, the embedding and "
+                   "lm_head (source keeps the file's): mixed (default): the first 8192 token ids (in BPE vocabularies "
                    "the most used) at 8 bits, the rest at 4; 8; 4 "
                    "(zero points), the fastest, agrees less with the full model")
     p.add_argument("--max-context", type=int, default=None,

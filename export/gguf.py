@@ -167,12 +167,39 @@ class GGUFWeights(Mapping):
     def __getitem__(self, name):
         array = self.gguf.array(self._names[name])
         a = self.arch
-        if a.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = a.num_heads if "q_proj" in name else a.num_kv_heads
-            array = array.reshape(heads, -1, 2, array.shape[-1]).swapaxes(1, 2).reshape(array.shape)
+        order = self._row_order(name, len(array))
+        if order is not None:
+            array = array[order]
         if a.model_type == "gemma3" and name.endswith("norm.weight"):
             array = array - np.float32(1)
         return np.ascontiguousarray(array)
+
+    def quantized(self, name):
+        """The tensor's own grid (export/quantize.py: SourceWeight), or None for a float one
+        or a name the file does not hold."""
+        from .quantize import SourceWeight
+        gguf_name = self._names.get(name)
+        if gguf_name is None or self.gguf.tensors[gguf_name][0] not in gguf_quants.AFFINE:
+            return None
+        kind, shape, _ = self.gguf.tensors[gguf_name]
+        codes, scales, minima, block, bits = gguf_quants.affine(self.gguf.raw(gguf_name), kind, shape)
+        order = self._row_order(name, shape[0])
+        if order is not None:
+            codes, scales, minima = codes[order], scales[order], minima[order]
+        return SourceWeight.from_affine(codes, scales, minima, block, bits)
+
+    def quantized_types(self) -> list:
+        """Names of the quantized types among the tensors this exporter reads."""
+        kinds = {self.gguf.tensors[n][0] for h, n in self._names.items() if h}
+        return sorted(gguf_quants.type_name(k) for k in kinds if k in gguf_quants.AFFINE)
+
+    def _row_order(self, name, rows):
+        """Llama's q/k rows as transformers orders them (the converter's permutation undone)."""
+        a = self.arch
+        if a.model_type != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
+            return None
+        heads = a.num_heads if "q_proj" in name else a.num_kv_heads
+        return np.arange(rows).reshape(heads, -1, 2).swapaxes(1, 2).reshape(-1)
 
     def __iter__(self):
         return iter(self._names)

@@ -110,6 +110,73 @@ BLOCKS = {Q4_0: (QK, 18, _q4_0), Q4_1: (QK, 20, _q4_1), Q5_0: (QK, 22, _q5_0),
 FLOATS = {F32: 4, F16: 2, BF16: 2}
 
 
+# The same blocks as w = scale * code + minimum, one scale and minimum per sub-block: every
+# type above is of that form (the symmetric ones with minimum = -offset * scale). A graph that
+# keeps the codes computes with the file's own grid (export/quantize.py: source_weight).
+def _affine_q4_0(b):
+    d = _f16(b, 0)
+    return _nibbles(b[:, 2:18]), d, -8 * d
+
+
+def _affine_q4_1(b):
+    return _nibbles(b[:, 4:20]), _f16(b, 0), _f16(b, 2)
+
+
+def _affine_q5_0(b):
+    d = _f16(b, 0)
+    return _nibbles(b[:, 6:22]) | (_high_bits(b[:, 2:6]) << 4), d, -16 * d
+
+
+def _affine_q5_1(b):
+    return _nibbles(b[:, 8:24]) | (_high_bits(b[:, 4:8]) << 4), _f16(b, 0), _f16(b, 2)
+
+
+def _affine_q8_0(b):
+    d = _f16(b, 0)
+    return (b[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8), d, -128 * d
+
+
+def _affine_q4_k(b):
+    scale, minimum = _k_scales(b[:, 4:16])
+    return _k_codes_4bit(b[:, 16:144]).reshape(-1, QK), (_f16(b, 0) * scale).reshape(-1, 1), \
+        -(_f16(b, 2) * minimum).reshape(-1, 1)
+
+
+def _affine_q5_k(b):
+    scale, minimum = _k_scales(b[:, 4:16])
+    high = np.unpackbits(b[:, 16:48], axis=1, bitorder="little").reshape(-1, 32, 8)
+    q = _k_codes_4bit(b[:, 48:176]) | (high.transpose(0, 2, 1) << 4)
+    return q.reshape(-1, QK), (_f16(b, 0) * scale).reshape(-1, 1), \
+        -(_f16(b, 2) * minimum).reshape(-1, 1)
+
+
+def _affine_q6_k(b):
+    n = len(b)
+    ql = b[:, 0:128].reshape(n, 2, 64)
+    qh = b[:, 128:192].reshape(n, 2, 1, 32)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)
+    high = ((qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 0x03).reshape(n, 2, 128)
+    scale = (_f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)).reshape(-1, 1)
+    return (low | (high << 4)).reshape(-1, 16), scale, -32 * scale
+
+
+# type id -> (values per sub-block, bits a code needs, sub-block decomposer)
+AFFINE = {Q4_0: (QK, 4, _affine_q4_0), Q4_1: (QK, 4, _affine_q4_1), Q5_0: (QK, 5, _affine_q5_0),
+          Q5_1: (QK, 5, _affine_q5_1), Q8_0: (QK, 8, _affine_q8_0), Q4_K: (QK, 4, _affine_q4_k),
+          Q5_K: (QK, 5, _affine_q5_k), Q6_K: (16, 6, _affine_q6_k)}
+
+
+def affine(raw: np.ndarray, type_id: int, shape) -> tuple:
+    """A quantized tensor [rows, K] as (codes uint8 [rows, K], scales and minima float32
+    [rows, K / sub-block], sub-block size, code bits): w = scale * code + minimum."""
+    values, size, _ = BLOCKS[type_id]
+    sub, bits, split = AFFINE[type_id]
+    rows, k = shape
+    codes, scales, minima = split(np.asarray(raw, np.uint8).reshape(-1, size))
+    return (codes.astype(np.uint8).reshape(rows, k), scales.reshape(rows, k // sub),
+            minima.astype(np.float32).reshape(rows, k // sub), sub, bits)
+
+
 def supported(type_id: int) -> bool:
     return type_id in BLOCKS or type_id in FLOATS
 

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper
 from edgespec.artifact import PAD_ROWS, batch_name
 
 from .gptq import gptq_int4
-from .quantize import BLOCK, quantize_int4, quantize_int8
+from .quantize import BLOCK, SourceWeight, quantize_int4, quantize_int8, residual_columns
 
 MS = "com.microsoft"
 OPSET = 21
@@ -40,7 +40,7 @@ class Graph:
         self.name, self.dtype = name, np.dtype(dtype)
         self.nodes, self.inputs, self.outputs = [], [], []
         self.initializers = {}  # name -> numpy array (names are shared across graphs)
-        self.block_sums = {}  # input name -> its block sums, for int4 offsets
+        self.block_sums = {}  # (input name, block) -> its block sums, for residual minima
         self.shares_weights = False  # a batch graph: every weight is another graph's
         self._count = 0
 
@@ -77,9 +77,12 @@ class Graph:
 class Blocks:
     """The model's math, one method per block, for a given architecture and precision."""
 
-    def __init__(self, arch, weights, precision, max_context, int4_scheme="zp", head_bits=8):
+    def __init__(self, arch, weights, precision, max_context, int4_scheme="zp", head_bits=8,
+                 source_grid=None):
+        """source_grid: name -> the source's own quantized weight (SourceWeight) or None
+        (int4 scheme "source"): those weights keep the file's grid."""
         self.arch, self.w, self.precision, self.max_context = arch, weights, precision, max_context
-        self.int4_scheme, self.head_bits = int4_scheme, head_bits
+        self.int4_scheme, self.head_bits, self.source_grid = int4_scheme, head_bits, source_grid
         self.store = np.float16 if precision == "fp16" else np.float32
         # MatMulNBits weights: 4 bits (int4) or 8 (int8: every linear layer and the table)
         self.nbits = {"int4": 4, "int8": 8}.get(precision)
@@ -99,17 +102,33 @@ class Blocks:
             if bias is not None:
                 y = g.op("Add", [y, g.weight(f"{name}.bias", bias.astype(self.store))])
             return y
-        q = self.quantized(name, w, self.nbits)
+        q = w if isinstance(w, SourceWeight) else self.quantized(name, w, self.nbits)
+        return self.matmul_nbits(g, x, name, q, bias)
+
+    def matmul_nbits(self, g, x, name, q, bias=None):
+        """x @ q.T in one MatMulNBits. A source grid's residual minima multiply x's block
+        sums, appended to x (quantize.residual_columns), rather than in a MatMul and an Add
+        of their own: fewer ops a layer (DESIGN.md)."""
+        n, k = q.shape
+        if q.residual is not None:
+            x = g.op("Concat", [x, self.block_sums(g, x, k, q.block)], axis=-1)
+            k, q = k + k // q.block, self.with_residual_columns(name, q)
         inputs = [x, *self.nbits_inputs(g, name, q)]
         if bias is not None:
             inputs += ["", g.weight(f"{name}.bias", bias.astype(g.dtype))]
-        y = g.op("MatMulNBits", inputs, domain=MS, K=k, N=n, bits=self.nbits, block_size=BLOCK,
-                 accuracy_level=ACCURACY_LEVEL)
-        if getattr(q, "offsets", None) is None:  # only q4_1 has offsets
-            return y
-        # q4_1: stored [N, blocks] like the scales; the Transpose is folded when ORT loads
-        offsets = g.op("Transpose", [g.weight(f"{name}.offsets", q.offsets.astype(g.dtype))])
-        return g.op("Add", [y, g.op("MatMul", [self.block_sums(g, x, k), offsets])])
+        return g.op("MatMulNBits", inputs, domain=MS, K=k, N=n, bits=q.bits, block_size=q.block,
+                    accuracy_level=ACCURACY_LEVEL)
+
+    def with_residual_columns(self, name, q):
+        # keyed by the scales too: a draft head's shortlist changes during calibration
+        digest = hashlib.sha1(np.ascontiguousarray(q.scales)).hexdigest()
+        return self.cached((name, "columns", digest), lambda: residual_columns(q))
+
+    def cached(self, key, make):
+        """make(), once per export: calibration rebuilds the graphs at other exit layers."""
+        if key not in self._quantized:
+            self._quantized[key] = make()
+        return self._quantized[key]
 
     def quantized(self, name, w, bits, gram=None):
         """w in `bits` (4: the export's int4 scheme), once per export: calibration rebuilds
@@ -117,15 +136,11 @@ class Blocks:
         GatherBlockQuantized has no float minimum. gram: X'X of the layer's inputs, for GPTQ
         (export/gptq.py) instead of rounding each weight on its own."""
         key = (name, bits, hashlib.sha1(np.ascontiguousarray(w)).hexdigest())
-        if key not in self._quantized:
-            scheme = self.int4_scheme if name.startswith("layers.") else "zp"
-            if bits == 8:
-                self._quantized[key] = quantize_int8(w)
-            elif gram is not None:  # export passes grams only for the zp scheme
-                self._quantized[key] = gptq_int4(w, gram)
-            else:
-                self._quantized[key] = quantize_int4(w, scheme)
-        return self._quantized[key]
+        if bits == 8:
+            return self.cached(key, lambda: quantize_int8(w))
+        if gram is not None:  # export passes grams only for the zp scheme
+            return self.cached(key, lambda: gptq_int4(w, gram))
+        return self.cached(key, lambda: quantize_int4(w))
 
     LINEARS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
@@ -133,9 +148,24 @@ class Blocks:
 
     def linear_weight(self, layer, name):
         """One of a layer's LINEARS as the graph multiplies by it: q, k and v packed into one
-        weight, gate and up into one."""
-        parts = [self.w[f"model.layers.{layer}.{m}.weight"] for m in self.LINEARS[name]]
+        weight, gate and up into one; the source's grid (SourceWeight) where it is kept."""
+        names = [f"model.layers.{layer}.{m}.weight" for m in self.LINEARS[name]]
+        source = self.source_weight(f"layers.{layer}.{name}", names)
+        if source is not None:
+            return source
+        parts = [self.w[n] for n in names]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def source_weight(self, key, names):
+        """The source's own grid of the tensors `names`, joined; None when not kept (a float
+        tensor among them, or another scheme)."""
+        if not self.source_grid or self.precision != "int4":
+            return None
+        return self.cached((key, "source"), lambda: self._joined_source(names))
+
+    def _joined_source(self, names):
+        parts = [self.source_grid(n) for n in names]
+        return None if any(p is None for p in parts) else SourceWeight.joined(parts)
 
     @staticmethod
     def nbits_inputs(g, name, q):
@@ -144,12 +174,12 @@ class Blocks:
                 g.weight(f"{name}.scales", q.scales.astype(g.dtype)),
                 "" if q.zero_points is None else g.weight(f"{name}.zero_points", q.zero_points)]
 
-    def block_sums(self, g, x, k):
-        """[.., K] -> [.., K/BLOCK]: the sum of each block of x (once per input, not per use)."""
-        if x not in g.block_sums:
-            ones = np.kron(np.eye(k // BLOCK, dtype=g.dtype), np.ones((BLOCK, 1), g.dtype))
-            g.block_sums[x] = g.op("MatMul", [x, g.weight(f"block_sum_{k}", ones)])
-        return g.block_sums[x]
+    def block_sums(self, g, x, k, block):
+        """[.., K] -> [.., K/block]: the sum of each block of x (once per input, not per use)."""
+        if (x, block) not in g.block_sums:
+            ones = np.kron(np.eye(k // block, dtype=g.dtype), np.ones((block, 1), g.dtype))
+            g.block_sums[x, block] = g.op("MatMul", [x, g.weight(f"block_sum_{k}_{block}", ones)])
+        return g.block_sums[x, block]
 
     def norm_weight(self, name):
         """The scale a norm multiplies by: its weight, plus 1 for Gemma's (1 + w) norms."""
@@ -277,9 +307,13 @@ class Blocks:
         angles = np.outer(positions, inv_freq)
         return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
 
-    def vocab_parts(self, name, table):
-        """The int4 artifact's vocabulary table as [(name, quantized rows, bits)]: one part
-        at head_bits 8 or 4; "mixed": the first FREQUENT_TOKENS ids at 8 bits, the rest at 4."""
+    def vocab_parts(self, name, table, source=None):
+        """The int4 artifact's vocabulary table as [(name, quantized rows, bits)]: the
+        source's grid when kept (`source`, without residual minima: GatherBlockQuantized has
+        none); else one part at head_bits 8 or 4; "mixed": the first FREQUENT_TOKENS ids at
+        8 bits, the rest at 4."""
+        if source is not None:
+            return [(name, source, source.bits)]
         # GPTQ's 4-bit rows for a table the lm_head multiplies by (tied: the embedding too)
         gram = self.head_gram if name != "embed_tokens" or self.arch.tie_word_embeddings else None
         if self.head_bits != "mixed" or len(table) <= FREQUENT_TOKENS:
@@ -301,7 +335,8 @@ class Blocks:
         table = self.w["model.embed_tokens.weight"]
         if not self.nbits:
             return g.op("Gather", [g.weight("embed_tokens", table.astype(self.store)), ids], axis=0)
-        parts = self.vocab_parts("embed_tokens", table)
+        parts = self.vocab_parts("embed_tokens", table, self.source_weight(
+            "embed_tokens", ["model.embed_tokens.weight"]))
         if len(parts) == 1:
             return self._lookup(g, ids, *parts[0])
         # mixed: each id looked up in both parts (clamped into range), the right one kept
@@ -315,12 +350,28 @@ class Blocks:
         return g.op("Where", [is_frequent, frequent, rare])
 
     def _lookup(self, g, ids, name, q, bits):
-        """Rows of a quantized vocabulary table, dequantized."""
+        """Rows of a quantized vocabulary table, dequantized (a source grid's residual
+        minima added)."""
+        residual, (_, k) = q.residual, q.shape
+        if residual is not None:  # stored after each row's K columns, as for the lm_head
+            q = self.with_residual_columns(name, q)
         qweight, scales, zero_points = self.nbits_inputs(g, name, q)
         # the same bytes as the lm_head's MatMulNBits weight, viewed as [vocab, hidden bytes]
         g.initializers[qweight] = q.packed.reshape(q.packed.shape[0], -1)
-        return g.op("GatherBlockQuantized", [qweight, ids, scales, zero_points], domain=MS,
-                    bits=bits, block_size=BLOCK, gather_axis=0, quantize_axis=1)
+        rows = g.op("GatherBlockQuantized", [qweight, ids, scales, zero_points], domain=MS,
+                    bits=bits, block_size=q.block, gather_axis=0, quantize_axis=1)
+        if residual is None:
+            return rows
+        blocks = k // q.block
+        last_axis = g.weight("axis_minus_1", np.array([-1]))
+        minima = g.op("Slice", [rows, g.weight(f"int_{k}", np.array([k])),
+                                g.weight(f"int_{k + blocks}", np.array([k + blocks])), last_axis])
+        rows = g.op("Slice", [rows, g.weight("zero", np.array([0])),
+                              g.weight(f"int_{k}", np.array([k])), last_axis])
+        by_block = g.op("Reshape", [rows, g.weight(f"by_block_{blocks}", np.array(
+            [0, 0, blocks, q.block]))])
+        with_minima = g.op("Add", [by_block, g.op("Unsqueeze", [minima, last_axis])])
+        return g.op("Reshape", [with_minima, g.weight(f"by_row_{k}", np.array([0, 0, k]))])
 
     def lm_head(self, g, x, vocab=None):
         """Logits from normed hidden states, for all tokens or for the ids in `vocab` (a
@@ -328,14 +379,14 @@ class Blocks:
         head_bits (8, 4 or mixed, see vocab_parts): it decides the top token."""
         tied = self.arch.tie_word_embeddings
         name = "embed_tokens" if tied else "lm_head"
-        table = self.w["model.embed_tokens.weight" if tied else "lm_head.weight"]
+        tensor = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        table, source = self.w[tensor], self.source_weight(name, [tensor])
         if vocab is not None:
             name, table = "draft_head", table[vocab]
+            source = None if source is None else source.take(vocab)
         if self.nbits:
-            logits = [g.op("MatMulNBits", [x, *self.nbits_inputs(g, part, q)], domain=MS,
-                           K=table.shape[1], N=q.packed.shape[0], bits=bits,
-                           block_size=BLOCK, accuracy_level=ACCURACY_LEVEL)
-                      for part, q, bits in self.vocab_parts(name, table)]
+            logits = [self.matmul_nbits(g, x, part, q)
+                      for part, q, _ in self.vocab_parts(name, table, source)]
             return logits[0] if len(logits) == 1 else g.op("Concat", logits, axis=-1)
         # Gemm with transB reads the table as stored: one copy for lookup and lm_head
         rows = g.op("Reshape", [x, g.weight("rows_by_hidden", np.array([-1, table.shape[1]]))])

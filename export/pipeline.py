@@ -50,9 +50,9 @@ def check_formats(precision, device, int4_scheme, head_bits):
     """The options that need no model: checked before minutes are spent loading one."""
     if precision not in PRECISIONS:
         raise EdgespecError(f"unknown precision {precision}; choose one of {', '.join(PRECISIONS)}")
-    if int4_scheme not in INT4_SCHEMES:
+    if int4_scheme not in ("auto", *INT4_SCHEMES):
         raise EdgespecError(f"unknown int4 scheme {int4_scheme}; choose one of "
-                            f"{', '.join(INT4_SCHEMES)}")
+                            f"auto, {', '.join(INT4_SCHEMES)}")
     if head_bits not in HEAD_BITS:
         raise EdgespecError(f"unsupported head bits {head_bits}; choose 8, 4 or mixed")
     if device not in ("cpu", "cuda"):
@@ -77,7 +77,7 @@ def check_options(arch, exit_layer, max_context, precision):
 
 def export_model(model=None, out=None, exit_layer=None, precision="auto", max_context=None,
                  device="cpu", adapter=None, shortlist=None, calibrate=False,
-                 adapter_minutes=DEFAULT_ADAPTER_MINUTES, save_adapter=None, int4_scheme="zp",
+                 adapter_minutes=DEFAULT_ADAPTER_MINUTES, save_adapter=None, int4_scheme="auto",
                  head_bits=DEFAULT_HEAD_BITS, calibration_minutes=DEFAULT_CALIBRATION_MINUTES,
                  gptq=True, threads=None, log=print):
     """Export MODEL (None: the bundled SmolLM2) and return the manifest written.
@@ -89,10 +89,10 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
     (k, threshold, lookup) on the artifact and make the best the default, within
     calibration_minutes (how much is measured and whether an "auto" adapter is trained is
     sized to it; adapter_minutes caps the training). save_adapter: keep
-    the adapter used in this file (fp16) for later exports. int4_scheme: "zp" (4-bit zero
-    points, one op a linear layer) or "q4_1" (the GGUF Q4_1 grid, exact for Q4_1 sources,
-    slower); head_bits: 8, 4 or "mixed" (the most used tokens at 8 bits, the rest at 4)
-    for the vocabulary table of int4 artifacts. gptq: choose the zp int4 weights of the
+    the adapter used in this file (fp16) for later exports. int4_scheme: "source" (a
+    quantized GGUF's own grids, kept), "zp" (weights re-rounded to 4-bit zero points) or
+    "auto" (source for a quantized GGUF, else zp); head_bits: 8, 4 or "mixed" (the most used
+    tokens at 8 bits, the rest at 4) for the vocabulary table of zp artifacts. gptq: choose the zp int4 weights of the
     decoder layers and the table's 4-bit rows by GPTQ on calibration text (export/gptq.py),
     else round each on its own. threads: the CPU threads calibration and the round costs
     are measured at (default: what the runtime uses on this machine); the manifest records
@@ -105,7 +105,9 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
     log(f"read {source.arch.model_type}: {source.arch.num_layers} layers, hidden "
         f"{source.arch.hidden_size}, vocabulary {source.arch.vocab_size}"
         f"{_tensor_types(source)} in {time.perf_counter() - start:.0f} s")
-    plan = _plan(source, out, exit_layer, precision, max_context, device, adapter, log)
+    int4_scheme = _int4_scheme(source, int4_scheme, precision)
+    plan = _plan(source, out, exit_layer, precision, max_context, device, adapter,
+                 int4_scheme, log)
     with _staged(plan.out) as partial:
         artifact = _build(source, plan, partial, int4_scheme,
                           8 if plan.precision == "int8" else head_bits, gptq, log)
@@ -135,12 +137,27 @@ class _Plan:
     out: Path
 
 
-def _plan(source, out, exit_layer, precision, max_context, device, adapter, log) -> _Plan:
+def _int4_scheme(source, int4_scheme, precision) -> str:
+    """auto: keep a quantized GGUF's own grids (answers as the file's model gives them), else
+    zero points; "source" needs such a file."""
+    quantized = getattr(source.weights, "quantized_types", lambda: [])()
+    if int4_scheme == "auto":
+        return "source" if quantized and precision in ("auto", "int4") else "zp"
+    if int4_scheme == "source" and not quantized:
+        raise EdgespecError(f"--int4-scheme source keeps a quantized GGUF's grids, but "
+                            f"{source.origin} has none; use --int4-scheme zp")
+    return int4_scheme
+
+
+def _plan(source, out, exit_layer, precision, max_context, device, adapter, int4_scheme,
+          log) -> _Plan:
     arch = source.arch
     if adapter is not None and arch.sandwich_norms:
         log(f"no exit adapter for {arch.model_type}: the adapter is a Llama block; the draft "
             "exits raw")
         adapter = None
+    if precision == "auto" and int4_scheme == "source":
+        precision = "int4"  # the file's own grids: 4-bit codes at 4 bits, 5 to 8 at 8
     if precision == "auto":
         precision = default_precision(arch)
         if precision != "int4":
@@ -176,8 +193,9 @@ def _build(source, plan, partial, int4_scheme, head_bits, gptq, log) -> "Artifac
     """Quantize the weights (GPTQ where it applies) and start the artifact."""
     # a ChainMap: the exit adapter's weights join the model's without writing into them
     # (a GGUF's are read-only, dequantized on lookup)
+    source_grid = source.weights.quantized if int4_scheme == "source" else None
     blocks = Blocks(source.arch, ChainMap({}, source.weights), plan.precision,
-                    plan.max_context, int4_scheme, head_bits)
+                    plan.max_context, int4_scheme, head_bits, source_grid)
     gptq = gptq and plan.precision == "int4" and int4_scheme == "zp"
     if gptq:
         quantize_layers(blocks, source, instructions()[0], log)
@@ -195,8 +213,10 @@ def _build(source, plan, partial, int4_scheme, head_bits, gptq, log) -> "Artifac
         **({"sampling": source.sampling} if source.sampling else {}),
         "build": {"edgespec": __version__, "int4_block_size": BLOCK, "int4_gptq": gptq,
                   "int4_accuracy_level": ACCURACY_LEVEL, "int4_scheme": int4_scheme,
-                  "head_bits": head_bits, **({"head_8bit_tokens": graph.FREQUENT_TOKENS}
-                                             if head_bits == "mixed" else {})},
+                  **({"source_types": source.weights.quantized_types()}
+                     if int4_scheme == "source" else
+                     {"head_bits": head_bits, **({"head_8bit_tokens": graph.FREQUENT_TOKENS}
+                                                 if head_bits == "mixed" else {})})},
     })
 
 
@@ -284,6 +304,15 @@ def _tensor_types(source) -> str:
     return "; GGUF tensors " + ", ".join(f"{kind} {n}" for kind, n in gguf.type_counts().items())
 
 
+def _scheme_line(manifest) -> str:
+    build = manifest["build"]
+    if build["int4_scheme"] == "source":
+        return (f"  int4 scheme source: the GGUF's own grids ({', '.join(build['source_types'])}),"
+                " so replies follow the file's model\n")
+    return ("  int4 scheme zp: weights rounded to 4-bit zero points (a GGUF's grids are not "
+            "kept: its fidelity below)\n")
+
+
 def _summary(out, manifest, seconds, log):
     arch, files = manifest["architecture"], manifest["files"]
     sizes = "  ".join(f"{name} {files[name]['bytes'] / 1e6:.1f} MB" for name in
@@ -297,6 +326,7 @@ def _summary(out, manifest, seconds, log):
     log(f"exported {out}: {arch['model_type']}, {arch['num_layers']} layers, exit layer "
         f"{manifest['exit_layer']}, {manifest['precision']}, context {manifest['max_context']}\n"
         f"  weights, each stored once: {sizes}{shared}\n"
+        + (_scheme_line(manifest) if manifest["precision"] == "int4" else "") +
         f"  draft: {drafter}, head over {graph.get('vocab', arch['vocab_size'])} tokens; policy k "
         f"{draft['k']}, threshold {draft['threshold']}, lookup k {draft.get('lookup_k', 0)}, "
         f"{'adaptive' if draft.get('adaptive') else 'fixed'}"

@@ -1,23 +1,22 @@
 """Block-wise quantization of weight matrices W [N, K] (out, in) in blocks of BLOCK along K.
 
-Two 4-bit schemes, both for ONNX Runtime's MatMulNBits:
-- "zp" (the default): w = d * (q - z), q and the zero point z in 0..15, one scale d and one
-  z per block. MatMulNBits takes z natively, so a linear layer is one op. d and z are
-  searched per block for the least squared error: a grid of clipped min-max scales, then
-  least-squares refits of scale and zero given the codes.
-- "q4_1": w = d * q + m with a float block minimum m, the GGUF Q4_1 grid: a dequantized Q4_1
-  tensor comes back exactly, so an artifact computes with the GGUF's own weights. ONNX
-  Runtime has no float minimum, so it is split off as w = d * (q - 8) + offset with
-  offset = m + 8d, and the graph adds block_sums(x) @ offsets (three more ops a layer).
-And 8-bit, symmetric: w = d * (q - 128), for vocabulary tables that decide the top token.
+Float weights (a Hugging Face checkpoint, or `--int4-scheme zp`) are rounded for ONNX
+Runtime's MatMulNBits:
+- 4 bits, "zp": w = d * (q - z), q and the zero point z in 0..15, one scale d and one z per
+  block. MatMulNBits takes z natively, so a linear layer is one op. d and z are searched per
+  block for the least squared error: a grid of clipped min-max scales, then least-squares
+  refits of scale and zero given the codes.
+- 8 bits, symmetric: w = d * (q - 128), for vocabulary tables that decide the top token.
+A quantized source (a GGUF, `--int4-scheme source`) keeps its own grid instead
+(SourceWeight): its codes and scales, the minimum split into an integer zero point and what
+is left of it, the residual.
 """
 from dataclasses import dataclass
 
 import numpy as np
 
 BLOCK = 32
-ZERO_POINT = 8  # MatMulNBits' and GatherBlockQuantized's default for 4 bits in uint8
-INT4_SCHEMES = ("zp", "q4_1")
+INT4_SCHEMES = ("source", "zp")
 # Scales tried per block, as fractions of the min-max scale: clipping the extremes a little
 # often lowers the error of the other 30 values more than it costs the two.
 SCALE_GRID = np.linspace(0.80, 1.0, 11, dtype=np.float32)
@@ -29,8 +28,8 @@ CHUNK_ROWS = 2048
 class Int4Weight:
     packed: np.ndarray   # uint8 [N, K/BLOCK, BLOCK/2], low nibble first
     scales: np.ndarray   # float32 [N, K/BLOCK]
-    zero_points: np.ndarray = None  # uint8 [N, ceil(blocks/2)], two per byte ("zp")
-    offsets: np.ndarray = None  # float32 [N, K/BLOCK]: minimum + ZERO_POINT * scale ("q4_1")
+    zero_points: np.ndarray = None  # uint8 [N, ceil(blocks/2)], two per byte
+    bits, block, residual = 4, BLOCK, None
 
     @property
     def shape(self):
@@ -80,9 +79,7 @@ def _by_rows(quantize):
 
 
 @_by_rows
-def quantize_int4(w: np.ndarray, scheme: str = "zp") -> Int4Weight:
-    if scheme == "q4_1":
-        return _quantize_q4_1(w)
+def quantize_int4(w: np.ndarray) -> Int4Weight:
     blocks = _blocks(w)
     lo, hi = np.minimum(blocks.min(-1), 0), np.maximum(blocks.max(-1), 0)  # 0 stays exact
     base = (hi - lo) / 15.0
@@ -118,23 +115,9 @@ def _keep_better(best, blocks, scale, zero):
     return tuple(np.where(better, new, old) for new, old in zip((error, scale, zero), best))
 
 
-def _quantize_q4_1(w: np.ndarray) -> Int4Weight:
-    blocks = _blocks(w)
-    lo, hi = blocks.min(-1), blocks.max(-1)
-    scales = (hi - lo) / 15.0
-    scales[scales == 0] = 1.0  # a constant block: q = 0 and the minimum reproduce it
-    q = np.clip(np.rint((blocks - lo[..., None]) / scales[..., None]), 0, 15).astype(np.uint8)
-    return Int4Weight(_pack(q), scales.astype(np.float32),
-                      offsets=(lo + ZERO_POINT * scales).astype(np.float32))
-
-
 def dequantize_int4(qw: Int4Weight) -> np.ndarray:
     """The float weights the graphs compute with; used by tests."""
-    q = qw.codes().astype(np.float32)
-    if qw.offsets is not None:
-        w = (q - ZERO_POINT) * qw.scales[..., None] + qw.offsets[..., None]
-    else:
-        w = (q - qw.zeros()[..., None]) * qw.scales[..., None]
+    w = (qw.codes().astype(np.float32) - qw.zeros()[..., None]) * qw.scales[..., None]
     return w.reshape(qw.shape)
 
 
@@ -144,6 +127,12 @@ class Int8Weight:
     packed: np.ndarray  # uint8 [N, K/BLOCK, BLOCK]
     scales: np.ndarray  # float32 [N, K/BLOCK]
     zero_points = None  # 128, MatMulNBits' default for 8 bits
+    bits, block, residual = 8, BLOCK, None
+
+    @property
+    def shape(self):
+        n, blocks, _ = self.packed.shape
+        return n, blocks * BLOCK
 
 
 @_by_rows
@@ -158,3 +147,94 @@ def quantize_int8(w: np.ndarray) -> Int8Weight:
 def dequantize_int8(qw: Int8Weight) -> np.ndarray:
     n, blocks, _ = qw.packed.shape
     return ((qw.packed.astype(np.float32) - 128) * qw.scales[..., None]).reshape(n, blocks * BLOCK)
+
+
+@dataclass
+class SourceWeight:
+    """A GGUF tensor's own grid as MatMulNBits computes it: w = scale * (code - zero) +
+    residual, per block along K. The codes and scales are the file's; the zero point is the
+    integer nearest -minimum / scale, and the residual what that leaves of the minimum (zero
+    for the symmetric types: Q4_0, Q5_0, Q8_0, Q6_K). Codes of 5 or 6 bits are stored at 8."""
+    codes: np.ndarray     # uint8 [N, K]
+    scales: np.ndarray    # float32 [N, K/block]
+    zeros: np.ndarray     # uint8 [N, K/block]
+    residual: np.ndarray  # float32 [N, K/block], or None when zero
+    block: int
+    bits: int             # 4 or 8
+
+    @classmethod
+    def from_affine(cls, codes, scales, minima, block, code_bits):
+        """From w = scale * code + minimum (export/gguf_quants.affine)."""
+        bits = 4 if code_bits <= 4 else 8
+        with np.errstate(divide="ignore", invalid="ignore"):  # a zero scale: all residual
+            zeros = np.clip(np.nan_to_num(np.rint(-minima / scales)), 0, (1 << bits) - 1)
+        residual = (minima + scales * zeros).astype(np.float32)
+        return cls(codes, scales, zeros.astype(np.uint8),
+                   residual if np.any(residual) else None, block, bits)
+
+    @property
+    def shape(self):
+        return self.codes.shape
+
+    def promoted(self, bits, block):
+        """The same weights at more bits or smaller blocks (exact), to join another part."""
+        repeat = self.block // block
+        spread = lambda a: None if a is None else np.repeat(a, repeat, axis=1)
+        return SourceWeight(self.codes, spread(self.scales), spread(self.zeros),
+                            spread(self.residual), block, bits)
+
+    @staticmethod
+    def joined(parts):
+        """Parts stacked along N (q, k and v as one weight), at the most bits and smallest
+        block any part needs."""
+        bits, block = max(p.bits for p in parts), min(p.block for p in parts)
+        parts = [p.promoted(bits, block) for p in parts]
+        residual = None if all(p.residual is None for p in parts) else np.concatenate(
+            [np.zeros_like(p.scales) if p.residual is None else p.residual for p in parts])
+        return SourceWeight(*(np.concatenate([getattr(p, f) for p in parts])
+                              for f in ("codes", "scales", "zeros")), residual, block, bits)
+
+    def take(self, rows):
+        """The given rows (a draft head's shortlist of the vocabulary table)."""
+        pick = lambda a: None if a is None else a[rows]
+        return SourceWeight(*(pick(getattr(self, f)) for f in ("codes", "scales", "zeros",
+                                                                "residual")), self.block, self.bits)
+
+    def dequantized(self) -> np.ndarray:
+        n, k = self.shape
+        w = (self.codes.reshape(n, -1, self.block).astype(np.float32)
+             - self.zeros[..., None]) * self.scales[..., None]
+        if self.residual is not None:
+            w += self.residual[..., None]
+        return w.reshape(n, k)
+
+    @property
+    def packed(self):
+        """MatMulNBits' weight: [N, K/block, block * bits / 8]."""
+        n, k = self.shape
+        blocks = self.codes.reshape(n, k // self.block, self.block)
+        return _pack(blocks) if self.bits == 4 else blocks
+
+    @property
+    def zero_points(self):
+        return _pack(self.zeros) if self.bits == 4 else self.zeros
+
+
+def residual_columns(q: SourceWeight) -> SourceWeight:
+    """q with its residual moved into more input columns: the graph appends x's block sums
+    to x, and the residual, rounded at q's bits in blocks of its own, multiplies them: one
+    op a layer, as for zp. A block's minimum then differs from the file's by at most a 4-bit
+    step over the spread of its row's residuals (each under half a code step), or an 8-bit
+    one (DESIGN.md)."""
+    n, k = q.shape
+    blocks = k // q.block
+    width = -(-blocks // BLOCK) * BLOCK
+    padded = np.zeros((n, width), np.float32)
+    padded[:, :blocks] = q.residual
+    r = quantize_int4(padded) if q.bits == 4 else quantize_int8(padded)
+    codes = r.codes().reshape(n, width) if q.bits == 4 else r.packed.reshape(n, width)
+    zeros = r.zeros() if q.bits == 4 else np.full(r.scales.shape, 128, np.uint8)
+    extra = SourceWeight(codes, r.scales, zeros, None, BLOCK, q.bits).promoted(q.bits, q.block)
+    return SourceWeight(np.concatenate([q.codes, extra.codes], 1),
+                        np.concatenate([q.scales, extra.scales], 1),
+                        np.concatenate([q.zeros, extra.zeros], 1), None, q.block, q.bits)

@@ -60,8 +60,8 @@ def test_every_weight_is_stored_once(tiny_int4):
 
 
 @pytest.mark.parametrize("arch, tie, scheme, head_bits", [
-    ("llama", True, "zp", 8), ("qwen2", False, "zp", 4), ("llama", True, "q4_1", 8),
-    ("llama", True, "q4_1", 4), ("llama", True, "zp", "mixed"), ("qwen2", False, "zp", "mixed"),
+    ("llama", True, "zp", 8), ("qwen2", False, "zp", 4),
+    ("llama", True, "zp", "mixed"), ("qwen2", False, "zp", "mixed"),
     ("gemma3", True, "zp", 8), ("gemma3", True, "int8", 8), ("qwen2", False, "int8", 8)])
 def test_int4_graphs_compute_exactly_the_dequantized_model(arch, tie, scheme, head_bits,
                                                            tmp_path, monkeypatch):
@@ -72,7 +72,7 @@ def test_int4_graphs_compute_exactly_the_dequantized_model(arch, tie, scheme, he
     checkpoint = make_checkpoint(tmp_path / "ckpt", arch=arch, tie=tie)
     precision = "int8" if scheme == "int8" else "int4"
     export_model(str(checkpoint), tmp_path / "a", precision=precision,
-                 int4_scheme="zp" if scheme == "int8" else scheme, head_bits=head_bits,
+                 int4_scheme="zp", head_bits=head_bits,
                  gptq=False, log=quiet)  # GPTQ's codes: tests/test_gptq.py
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     ids = [int(t) for t in np.random.default_rng(2).integers(5, 300, 20)]
@@ -86,7 +86,7 @@ def test_int4_graphs_compute_exactly_the_dequantized_model(arch, tie, scheme, he
             elif scheme == "int8":
                 w = dequantize_int8(quantize_int8(w))
             else:
-                w = dequantize_int4(quantize_int4(w, scheme))
+                w = dequantize_int4(quantize_int4(w))
             p.copy_(torch.from_numpy(w))
         want = reference(torch.tensor([ids])).logits[0].numpy()
     engine = edgespec.load(tmp_path / "a").engine
@@ -98,22 +98,17 @@ def test_int4_graphs_compute_exactly_the_dequantized_model(arch, tie, scheme, he
 
 def vocab_table(w, head_bits, frequent):
     """The vocabulary table as the int4 graphs compute with it."""
-    eight, four = dequantize_int8(quantize_int8(w)), dequantize_int4(quantize_int4(w, "zp"))
+    eight, four = dequantize_int8(quantize_int8(w)), dequantize_int4(quantize_int4(w))
     if head_bits == "mixed":  # the first ids at 8 bits, the rest at 4, each quantized alone
         return np.concatenate([eight[:frequent], dequantize_int4(quantize_int4(w[frequent:]))])
     return eight if head_bits == 8 else four
 
 
-def q4_1(w):
-    return quantize_int4(w, "q4_1")
-
-
-def test_min_max_schemes_err_by_at_most_half_a_step():
+def test_8_bit_blocks_err_by_at_most_half_a_step():
     w = np.random.default_rng(0).normal(size=(48, 4 * BLOCK)).astype(np.float32)
-    for quantize, dequantize in ((q4_1, dequantize_int4), (quantize_int8, dequantize_int8)):
-        q = quantize(w)
-        step = np.repeat(q.scales, BLOCK, axis=1)
-        assert np.all(np.abs(dequantize(q) - w) <= step / 2 + 1e-6)
+    q = quantize_int8(w)
+    step = np.repeat(q.scales, BLOCK, axis=1)
+    assert np.all(np.abs(dequantize_int8(q) - w) <= step / 2 + 1e-6)
 
 
 def test_zero_point_search_has_less_error_than_min_max(monkeypatch):
@@ -125,12 +120,10 @@ def test_zero_point_search_has_less_error_than_min_max(monkeypatch):
     assert searched < 0.95 * min_max
 
 
-def test_weights_already_on_the_grid_come_back_exactly():
-    # a dequantized GGUF Q4_1 (or Q8_0) tensor is on the grid: quantizing it loses nothing
+def test_weights_already_on_the_8_bit_grid_come_back_exactly():
     w = np.random.default_rng(1).normal(size=(16, 8 * BLOCK)).astype(np.float32)
-    for quantize, dequantize in ((q4_1, dequantize_int4), (quantize_int8, dequantize_int8)):
-        on_grid = dequantize(quantize(w))
-        np.testing.assert_allclose(dequantize(quantize(on_grid)), on_grid, rtol=0, atol=1e-6)
+    on_grid = dequantize_int8(quantize_int8(w))
+    np.testing.assert_allclose(dequantize_int8(quantize_int8(on_grid)), on_grid, rtol=0, atol=1e-6)
 
 
 def test_export_cli_prints_a_summary(tiny_checkpoint, tmp_path):
@@ -176,7 +169,7 @@ def test_exit_layer_out_of_range_is_refused(tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("option, message", [
-    ({"int4_scheme": "q3_k"}, "unknown int4 scheme q3_k; choose one of zp, q4_1"),
+    ({"int4_scheme": "q3_k"}, "unknown int4 scheme q3_k; choose one of auto, source, zp"),
     ({"head_bits": 6}, "unsupported head bits 6; choose 8, 4 or mixed"),
 ])
 def test_an_unknown_quantization_is_refused_before_the_model_is_read(option, message, tmp_path):

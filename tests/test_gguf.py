@@ -41,16 +41,20 @@ def test_dequantized_blocks_equal_the_gguf_package_bit_for_bit(qtype):
     assert same_bits(ours(data, qtype, w.shape), gguf.quants.dequantize(data, qtype))
 
 
-@pytest.mark.parametrize("qtype", list(K_QUANTS), ids=lambda t: t.name)
-def test_k_quant_blocks_equal_the_gguf_package_bit_for_bit(qtype):
-    rows, row_blocks = 16, 3
+def k_quant_blocks(qtype, rows=16, row_blocks=3):
     size = gguf_quants.BLOCKS[int(qtype)][1]
     rng = np.random.default_rng(int(qtype))
     data = rng.integers(0, 256, (rows, row_blocks, size), dtype=np.uint8)
     for at in K_QUANTS[qtype]:  # scales of about 1e-3..1e-1, never inf or nan
         data[..., at:at + 2] = rng.uniform(1e-3, 1e-1, (rows, row_blocks, 1)).astype(
             np.float16).view(np.uint8)
-    data = data.reshape(rows, -1)
+    return data.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANTS), ids=lambda t: t.name)
+def test_k_quant_blocks_equal_the_gguf_package_bit_for_bit(qtype):
+    rows, row_blocks = 16, 3
+    data = k_quant_blocks(qtype, rows, row_blocks)
     want = gguf.quants.dequantize(data, qtype)
     assert want.shape == (rows, row_blocks * 256)
     assert same_bits(ours(data, qtype, want.shape), want)

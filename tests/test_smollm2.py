@@ -95,9 +95,8 @@ def test_int4_top1_agrees_with_fp32_along_its_continuations(smollm2_int4, fp32, 
     assert len(agree) == 64 * len(PROMPTS)
     rate = float(np.mean(agree))
     print(f"\nint4 vs fp32 top-1 agreement: {rate:.3f} over {len(agree)} positions")
-    # requantizing a Q4_1 grid to integer zero points costs agreement (--int4-scheme q4_1 is
-    # exact for this Q4_1 source; DESIGN.md has both numbers)
-    assert rate >= 0.7
+    # the default keeps the GGUF's Q4_1 grid; what is left is int8 activations (DESIGN.md)
+    assert rate >= 0.85
 
 
 # onnxruntime-genai 0.18's int4 model of the same weights (its builder, int4, CPU) on the
@@ -112,12 +111,13 @@ def test_default_int4_follows_the_model_at_least_as_well_as_onnxruntime_genai(sm
 
 
 def test_export_records_fidelity_to_the_source_model(smollm2_int4):
-    # the default int4 grid drifts from the GGUF's own (DESIGN.md, Fidelity): these bounds
-    # hold the measured level, so a further drift fails
+    # the default keeps the GGUF's own grids (DESIGN.md, Fidelity): these bounds hold about
+    # llama.cpp's level on the same file, so a drift fails
     f = json.loads((smollm2_int4 / "manifest.json").read_text())["fidelity"]
     assert f["questions"] >= 24 and f["reference_right"] >= f["questions"] // 2
-    assert f["top1_agreement"] >= 0.75
-    assert f["right"] >= f["reference_right"] - 6
+    assert f["top1_agreement"] >= 0.94
+    assert f["first16_equal"] >= f["questions"] // 2
+    assert f["right"] >= f["reference_right"] - 4
 
 
 def test_int4_chat_reply_is_text(smollm2_int4):
