@@ -143,16 +143,15 @@ def test_a_new_turn_prefills_only_its_new_tokens(smollm2_int4):
     messages += [{"role": "assistant", "content": first.text},
                  {"role": "user", "content": "And a red one?"}]
     ids = model.codec.encode_chat(messages)
-    # the cache holds the first prompt and the reply (its end-of-turn token, and what
-    # followed, only when prompt lookup drafted them and the verifier agreed)
-    reply_end = first.n_prompt + first.n_generated
-    assert held[:reply_end - 1] == ids[:reply_end - 1]
+    # the cache holds the first prompt and the reply; the reply's text encodes to the
+    # model's own tokens unless the model split a word another way than the tokenizer
+    # would ("h|uge|list" for "h|ug|elist"), and the cache is reused up to there
+    assert held[:first.n_prompt] == ids[:first.n_prompt]
     common = next((i for i, (a, b) in enumerate(zip(held, ids)) if a != b), len(held))
     second = model.chat(messages, max_new_tokens=24, seed=1)
-    # all of it is reused: only the rest of the conversation runs through the model
-    assert common >= reply_end - 1
+    # all of the common start is reused: only the rest runs through the model
     assert second.n_prefilled == second.n_prompt - common
-    assert second.n_prefilled < 20 < second.n_prompt
+    assert common > first.n_prompt and second.n_prefilled < second.n_prompt - first.n_prompt
     # decode steps leave the same bits in the cache as a prefill would: a continued chat
     # answers exactly as the same conversation sent afresh (with the same seed)
     fresh = edgespec.load(smollm2_int4).chat(messages, max_new_tokens=24, seed=1)
