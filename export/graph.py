@@ -175,10 +175,14 @@ class Blocks:
                 "" if q.zero_points is None else g.weight(f"{name}.zero_points", q.zero_points)]
 
     def block_sums(self, g, x, k, block):
-        """[.., K] -> [.., K/block]: the sum of each block of x (once per input, not per use)."""
+        """[1, rows, K] -> [1, rows, K/block]: the sum of each block of x (once per input).
+        A ReduceSum, not a MatMul by ones: MLAS's one-row GEMM rounds differently, and a
+        row must get the same bits alone and among others (Losslessness)."""
         if (x, block) not in g.block_sums:
-            ones = np.kron(np.eye(k // block, dtype=g.dtype), np.ones((block, 1), g.dtype))
-            g.block_sums[x, block] = g.op("MatMul", [x, g.weight(f"block_sum_{k}_{block}", ones)])
+            blocks = g.op("Reshape", [x, g.weight(f"by_block_{k // block}_{block}", np.array(
+                [0, 0, k // block, block]))])
+            g.block_sums[x, block] = g.op("ReduceSum", [blocks, g.weight(
+                "axis_minus_1", np.array([-1]))], keepdims=0)
         return g.block_sums[x, block]
 
     def norm_weight(self, name):
@@ -368,7 +372,7 @@ class Blocks:
                                 g.weight(f"int_{k + blocks}", np.array([k + blocks])), last_axis])
         rows = g.op("Slice", [rows, g.weight("zero", np.array([0])),
                               g.weight(f"int_{k}", np.array([k])), last_axis])
-        by_block = g.op("Reshape", [rows, g.weight(f"by_block_{blocks}", np.array(
+        by_block = g.op("Reshape", [rows, g.weight(f"by_block_{blocks}_{q.block}", np.array(
             [0, 0, blocks, q.block]))])
         with_minima = g.op("Add", [by_block, g.op("Unsqueeze", [minima, last_axis])])
         return g.op("Reshape", [with_minima, g.weight(f"by_row_{k}", np.array([0, 0, k]))])

@@ -120,3 +120,16 @@ def test_the_source_scheme_needs_a_quantized_gguf(checkpoint, tmp_path):
 def test_a_float_source_is_rounded_to_zero_points_by_default(checkpoint, tmp_path):
     manifest = export_model(str(checkpoint), tmp_path / "a", exit_layer=1, gptq=False, log=quiet)
     assert manifest["build"]["int4_scheme"] == "zp"
+
+
+def test_rows_of_a_source_grid_get_the_same_bits_alone_and_in_calls_of_any_size(tmp_path):
+    # the residual's block sums included (a ReduceSum: each row summed alone)
+    from test_parity import final_states_in_calls_of, prompt
+    wide = make_checkpoint(tmp_path / "ckpt", layers=2, seed=6, intermediate_size=1024)
+    path = make_gguf(wide, tmp_path / "m.gguf", T.Q4_1)
+    export_model(str(path), tmp_path / "grid", exit_layer=1, log=quiet)
+    engine, ids = edgespec.load(tmp_path / "grid").engine, prompt(24, seed=9)
+    alone = final_states_in_calls_of(engine, ids, 1)
+    for size in (2, 3, 5, 8):
+        np.testing.assert_array_equal(final_states_in_calls_of(engine, ids, size), alone,
+                                      err_msg=f"calls of {size}")
