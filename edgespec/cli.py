@@ -75,9 +75,9 @@ def _export_args(sub, common):
                    "needs a numeric --exit-layer")
     p.add_argument("--precision", default="auto",
                    choices=("auto", "int4", "int8", "fp16", "fp32"),
-                   help="weight format: auto (default): int4, or int8 for "
-                   "architectures int4 follows too loosely (Gemma 3); int8: 8 bits "
-                   "everywhere, closest to the source")
+                   help="weight format: auto (default): int4 (a quantized GGUF's own grids, "
+                   "see --int4-scheme), or int8 for a float source of an architecture int4 "
+                   "follows too loosely (Gemma 3); int8: 8 bits everywhere, re-rounded")
     p.add_argument("--int4-scheme", default="auto", choices=("auto", "source", "zp"),
                    help="auto (default): source for a quantized GGUF, else zp. source: the "
                    "GGUF's own grids kept (its codes and scales; 5- to 8-bit codes at 8 "
@@ -91,8 +91,8 @@ def _export_args(sub, common):
     p.add_argument("--head-bits", default="mixed", choices=(8, 4, "mixed"),
                    type=lambda v: int(v) if v.isdigit() else v,
                    help="bits of a zp artifact's vocabulary table, the embedding and "
-                   "lm_head (source keeps the file's): mixed (default): the first 8192 token ids (in BPE vocabularies "
-                   "the most used) at 8 bits, the rest at 4; 8; 4 "
+                   "lm_head (source keeps the file's): mixed (default): the first 8192 "
+                   "token ids (in BPE vocabularies the most used) at 8 bits, the rest at 4; 8; 4 "
                    "(zero points), the fastest, agrees less with the full model")
     p.add_argument("--max-context", type=int, default=None,
                    help="tokens the KV cache holds (default: min(4096, the model's limit))")

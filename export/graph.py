@@ -77,12 +77,12 @@ class Graph:
 class Blocks:
     """The model's math, one method per block, for a given architecture and precision."""
 
-    def __init__(self, arch, weights, precision, max_context, int4_scheme="zp", head_bits=8,
-                 source_grid=None):
+    def __init__(self, arch, weights, precision, max_context, head_bits=8, source_grid=None):
         """source_grid: name -> the source's own quantized weight (SourceWeight) or None
-        (int4 scheme "source"): those weights keep the file's grid."""
+        (int4 scheme "source"): those weights keep the file's grid; the others, and every
+        weight without it, are rounded to zero points (int4) or 8 bits."""
         self.arch, self.w, self.precision, self.max_context = arch, weights, precision, max_context
-        self.int4_scheme, self.head_bits, self.source_grid = int4_scheme, head_bits, source_grid
+        self.head_bits, self.source_grid = head_bits, source_grid
         self.store = np.float16 if precision == "fp16" else np.float32
         # MatMulNBits weights: 4 bits (int4) or 8 (int8: every linear layer and the table)
         self.nbits = {"int4": 4, "int8": 8}.get(precision)
@@ -131,10 +131,9 @@ class Blocks:
         return self._quantized[key]
 
     def quantized(self, name, w, bits, gram=None):
-        """w in `bits` (4: the export's int4 scheme), once per export: calibration rebuilds
-        the graphs at other exit layers. Vocabulary tables use zero points at 4 bits, as
-        GatherBlockQuantized has no float minimum. gram: X'X of the layer's inputs, for GPTQ
-        (export/gptq.py) instead of rounding each weight on its own."""
+        """Float weights w at `bits` (4: zero points; 8: symmetric), once per export:
+        calibration rebuilds the graphs at other exit layers. gram: X'X of the layer's
+        inputs, for GPTQ (export/gptq.py) instead of rounding each weight on its own."""
         key = (name, bits, hashlib.sha1(np.ascontiguousarray(w)).hexdigest())
         if bits == 8:
             return self.cached(key, lambda: quantize_int8(w))
@@ -313,9 +312,8 @@ class Blocks:
 
     def vocab_parts(self, name, table, source=None):
         """The int4 artifact's vocabulary table as [(name, quantized rows, bits)]: the
-        source's grid when kept (`source`, without residual minima: GatherBlockQuantized has
-        none); else one part at head_bits 8 or 4; "mixed": the first FREQUENT_TOKENS ids at
-        8 bits, the rest at 4."""
+        source's grid when kept (`source`); else one part at head_bits 8 or 4; "mixed": the
+        first FREQUENT_TOKENS ids at 8 bits, the rest at 4."""
         if source is not None:
             return [(name, source, source.bits)]
         # GPTQ's 4-bit rows for a table the lm_head multiplies by (tied: the embedding too)

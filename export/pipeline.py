@@ -53,6 +53,9 @@ def check_formats(precision, device, int4_scheme, head_bits):
     if int4_scheme not in ("auto", *INT4_SCHEMES):
         raise EdgespecError(f"unknown int4 scheme {int4_scheme}; choose one of "
                             f"auto, {', '.join(INT4_SCHEMES)}")
+    if int4_scheme == "source" and precision not in ("auto", "int4"):
+        raise EdgespecError(f"--int4-scheme source keeps a GGUF's grids, which --precision "
+                            f"{precision} would re-round; drop one of them")
     if head_bits not in HEAD_BITS:
         raise EdgespecError(f"unsupported head bits {head_bits}; choose 8, 4 or mixed")
     if device not in ("cpu", "cuda"):
@@ -195,7 +198,7 @@ def _build(source, plan, partial, int4_scheme, head_bits, gptq, log) -> "Artifac
     # (a GGUF's are read-only, dequantized on lookup)
     source_grid = source.weights.quantized if int4_scheme == "source" else None
     blocks = Blocks(source.arch, ChainMap({}, source.weights), plan.precision,
-                    plan.max_context, int4_scheme, head_bits, source_grid)
+                    plan.max_context, head_bits, source_grid)
     gptq = gptq and plan.precision == "int4" and int4_scheme == "zp"
     if gptq:
         quantize_layers(blocks, source, instructions()[0], log)

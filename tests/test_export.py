@@ -170,6 +170,9 @@ def test_exit_layer_out_of_range_is_refused(tiny_checkpoint, tmp_path):
 
 @pytest.mark.parametrize("option, message", [
     ({"int4_scheme": "q3_k"}, "unknown int4 scheme q3_k; choose one of auto, source, zp"),
+    ({"int4_scheme": "source", "precision": "int8"},
+     "--int4-scheme source keeps a GGUF's grids, which --precision int8 would re-round; "
+     "drop one of them"),
     ({"head_bits": 6}, "unsupported head bits 6; choose 8, 4 or mixed"),
 ])
 def test_an_unknown_quantization_is_refused_before_the_model_is_read(option, message, tmp_path):
