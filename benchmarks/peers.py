@@ -3,8 +3,9 @@
 The engines get the same token ids (the first turn of each prompt through the artifact's chat
 template), the same sampling settings (--sampling: greedy, the artifact's defaults, or given;
 seeded per prompt and run), the same number of new tokens with end-of-turn ignored, the same
-thread count. Per prompt, every mode runs once per repeat, the modes interleaved, so drift of
-the machine hits all of them alike; a run during which other processes used the CPU is redone.
+thread count. Per prompt, every mode runs once per repeat, the modes interleaved (their order
+rotating from one repeat to the next), so drift of the machine hits all of them alike; a run
+during which other processes used the CPU is redone.
 decode tok/s = (n - 1) / (time of the last token - time of the first): prefill excluded.
 
 Modes: plain and spec (edgespec's plain and default speculative decoding), genai (plain
@@ -346,7 +347,8 @@ def speeds(engines, modes, prompts, ours, sampling, args) -> list:
         runs = {mode: [] for mode in modes}
         for run in range(args.repeat):
             seeded = replace(sampling, seed=1000 * n + run)
-            for mode in modes:
+            first = run % len(modes)  # the order rotates: no mode always runs after another
+            for mode in modes[first:] + modes[:first]:
                 engine, speculative = engines[mode]
                 runs[mode].append(timed(engine, ids, args.new_tokens, speculative,
                                         GREEDY if mode == "greedy-plain" else seeded))

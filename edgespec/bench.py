@@ -1,8 +1,8 @@
 """`edgespec bench`: plain vs speculative decoding, same artifact, same prompts, one process.
 
 Per prompt (first turn, chat template, the given sampling settings, seeded by the prompt's id
-unless a seed is given): plain, then speculative, `repeat` times interleaved. Speedup is the
-ratio of their median decode tokens/s; identical says whether every run produced the same
+unless a seed is given): plain and speculative, `repeat` times interleaved, the one that goes
+first alternating. Speedup is the ratio of their median decode tokens/s; identical says whether every run produced the same
 tokens (seeded sampling, like greedy decoding, gives speculative the same tokens as plain).
 """
 import json
@@ -67,11 +67,13 @@ def bench_prompt(model, row, settings, repeat=1) -> dict:
         raise EdgespecError(f"prompt {row['question_id']} has {len(ids)} tokens: too long for "
                             f"the context of {model.engine.max_context} with "
                             f"{settings.max_new_tokens} new tokens")
-    plains, specs = [], []
-    for _ in range(repeat):
-        plains.append(model.generate_ids(ids, settings=settings.with_options(mode="plain")))
-        model.forget()  # a repeat must not copy its own earlier reply
-        specs.append(model.generate_ids(ids, settings=settings.with_options(mode="speculative")))
+    runs = {"plain": [], "speculative": []}
+    for i in range(repeat):
+        # which mode goes first alternates: the second run of a pair is not always the same
+        for mode in ("plain", "speculative")[::1 if i % 2 == 0 else -1]:
+            model.forget()  # a repeat must not copy its own earlier reply
+            runs[mode].append(model.generate_ids(ids, settings=settings.with_options(mode=mode)))
+    plains, specs = runs["plain"], runs["speculative"]
     plain_speed = statistics.median(g.decode_tokens_per_s for g in plains)
     spec_speed = statistics.median(g.decode_tokens_per_s for g in specs)
     stats = specs[-1].stats  # they stand for the runs (same tokens each time)

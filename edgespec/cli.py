@@ -209,7 +209,8 @@ def _bench_args(sub, common):
     p.add_argument("--per-category", type=int, help="the N lowest question ids of each category")
     p.add_argument("--categories", nargs="+", help="only these categories")
     p.add_argument("--repeat", type=_positive, default=3, help="runs of each prompt and mode, "
-                   "interleaved; speeds are their medians (default: 3)")
+                   "interleaved (which goes first alternates); speeds are their medians "
+                   "(default: 3)")
     p.add_argument("--parallel", type=_parallel, nargs="+", metavar="N",
                    help="decode the prompts N at a time instead (1 to 8; several counts "
                    "compare them), continuously: a finished reply's place goes to the next "

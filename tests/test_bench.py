@@ -69,6 +69,21 @@ def test_the_workload_prompts_bench_conversations_through_the_chat_template(tiny
     assert result["identical"] and result["n_prompt"] == len(prompt_ids(model, agent))
 
 
+def test_bench_alternates_which_mode_runs_first(tiny_int4):
+    model = edgespec.load(tiny_int4)
+    modes, generate = [], model.generate_ids
+
+    def recorded(ids, settings, **kwargs):
+        modes.append(settings.mode)
+        return generate(ids, settings=settings, **kwargs)
+
+    model.generate_ids = recorded  # the real decoding, its order written down
+    row = {"question_id": 1, "category": "qa", "turns": ["Name a colour."]}
+    result = bench_prompt(model, row, model.settings(max_new_tokens=6, temperature=0), repeat=3)
+    assert modes == ["plain", "speculative", "speculative", "plain", "plain", "speculative"]
+    assert result["runs"] == 3 and result["identical"]
+
+
 def test_the_built_in_prompt_set_covers_the_categories():
     categories = {row["category"] for row in load_prompts()}
     assert {"writing", "coding", "math_reasoning", "summarization", "rag", "qa"} <= categories
