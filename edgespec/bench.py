@@ -2,8 +2,9 @@
 
 Per prompt (first turn, chat template, the given sampling settings, seeded by the prompt's id
 unless a seed is given): plain and speculative, `repeat` times interleaved, the one that goes
-first alternating. Speedup is the ratio of their median decode tokens/s; identical says whether every run produced the same
-tokens (seeded sampling, like greedy decoding, gives speculative the same tokens as plain).
+first alternating. Speedup is the ratio of their median decode tokens/s; identical says
+whether every run produced the same tokens (seeded sampling, like greedy decoding, gives
+speculative the same tokens as plain).
 """
 import json
 import statistics

@@ -74,6 +74,12 @@ class Graph:
                                  producer_name="edgespec")
 
 
+def by_block(g, x, k, block):
+    """[1, rows, K] -> [1, rows, K/block, block]: x viewed block by block."""
+    return g.op("Reshape", [x, g.weight(f"by_block_{k // block}_{block}", np.array(
+        [0, 0, k // block, block]))])
+
+
 class Blocks:
     """The model's math, one method per block, for a given architecture and precision."""
 
@@ -175,12 +181,11 @@ class Blocks:
 
     def block_sums(self, g, x, k, block):
         """[1, rows, K] -> [1, rows, K/block]: the sum of each block of x (once per input).
-        A ReduceSum, not a MatMul by ones: MLAS's one-row GEMM rounds differently, and a
-        row must get the same bits alone and among others (Losslessness)."""
+        A ReduceSum sums each row alone; with a MatMul by ones, Gemma 3's seeded speculative
+        output left its plain output, and a row must get the same bits alone and among
+        others (Losslessness)."""
         if (x, block) not in g.block_sums:
-            blocks = g.op("Reshape", [x, g.weight(f"by_block_{k // block}_{block}", np.array(
-                [0, 0, k // block, block]))])
-            g.block_sums[x, block] = g.op("ReduceSum", [blocks, g.weight(
+            g.block_sums[x, block] = g.op("ReduceSum", [by_block(g, x, k, block), g.weight(
                 "axis_minus_1", np.array([-1]))], keepdims=0)
         return g.block_sums[x, block]
 
@@ -370,9 +375,8 @@ class Blocks:
                                 g.weight(f"int_{k + blocks}", np.array([k + blocks])), last_axis])
         rows = g.op("Slice", [rows, g.weight("zero", np.array([0])),
                               g.weight(f"int_{k}", np.array([k])), last_axis])
-        by_block = g.op("Reshape", [rows, g.weight(f"by_block_{blocks}_{q.block}", np.array(
-            [0, 0, blocks, q.block]))])
-        with_minima = g.op("Add", [by_block, g.op("Unsqueeze", [minima, last_axis])])
+        with_minima = g.op("Add", [by_block(g, rows, k, q.block),
+                                   g.op("Unsqueeze", [minima, last_axis])])
         return g.op("Reshape", [with_minima, g.weight(f"by_row_{k}", np.array([0, 0, k]))])
 
     def lm_head(self, g, x, vocab=None):
