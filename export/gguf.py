@@ -4,8 +4,11 @@
 so `check()` can refuse an unsupported architecture or tensor type before any minutes are
 spent. `GGUFWeights` is a mapping from Hugging Face parameter names to float32 arrays that
 dequantizes a tensor when it is looked up (export/gguf_quants.py) and keeps nothing: the
-export holds one float32 tensor group at a time, never the whole model.
+export holds one float32 tensor group at a time, never the whole model. Tensor bytes are
+read with pread, not through a mapping: the file's pages stay in the system's cache instead
+of adding the whole file to the export's resident memory.
 """
+import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -50,12 +53,14 @@ class GGUFFile:
 
     def __init__(self, path):
         self.path = Path(path)
-        self._data = np.memmap(self.path, np.uint8, mode="r")
+        self._data = np.memmap(self.path, np.uint8, mode="r")  # the header only
         try:
             self._parse()
         except (struct.error, IndexError, ValueError, UnicodeDecodeError) as e:
             raise EdgespecError(f"{self.path} is not a readable GGUF file ({e}); "
                                 "check that it was downloaded whole") from e
+        finally:
+            del self._data
 
     def _parse(self):
         buf = self._data
@@ -111,15 +116,33 @@ class GGUFFile:
         """An architecture field, e.g. field("block_count") reads "qwen2.block_count"."""
         return self.metadata.get(f"{self.architecture}.{key}", default)
 
-    def raw(self, name) -> np.ndarray:
+    def raw(self, name, rows=None) -> np.ndarray:
+        """The tensor's bytes as stored; rows: a range of its rows (all by default)."""
         kind, shape, offset = self.tensors[name]
-        start = self.data_start + offset
-        return self._data[start:start + gguf_quants.nbytes(kind, int(np.prod(shape)))]
+        row_bytes = gguf_quants.nbytes(kind, int(np.prod(shape[1:])))
+        first, stop = (0, shape[0]) if rows is None else (rows.start, rows.stop)
+        return self._read(self.data_start + offset + first * row_bytes, (stop - first) * row_bytes)
 
-    def array(self, name) -> np.ndarray:
-        """The tensor as float32, in numpy order ([rows, columns] = [out, in] for weights)."""
+    def _read(self, start, size) -> np.ndarray:
+        out = np.empty(size, np.uint8)
+        view = memoryview(out)
+        with open(self.path, "rb", buffering=0) as f:
+            done = 0
+            while done < size:  # one read returns at most about 2 GB
+                n = os.preadv(f.fileno(), [view[done:]], start + done)
+                if n == 0:
+                    raise EdgespecError(f"{self.path} ends inside its tensor data; check that "
+                                        "it was downloaded whole")
+                done += n
+        return out
+
+    def array(self, name, rows=None) -> np.ndarray:
+        """The tensor as float32, in numpy order ([rows, columns] = [out, in] for weights);
+        rows: a range of its rows (all by default)."""
         kind, shape, _ = self.tensors[name]
-        return gguf_quants.dequantize(self.raw(name), kind, shape)
+        if rows is not None:
+            shape = (len(rows), *shape[1:])
+        return gguf_quants.dequantize(self.raw(name, rows), kind, shape)
 
     def check(self):
         """Refuse, in one line, an architecture or tensor type this exporter cannot read."""
@@ -173,6 +196,10 @@ class GGUFWeights(Mapping):
         if a.model_type == "gemma3" and name.endswith("norm.weight"):
             array = array - np.float32(1)
         return np.ascontiguousarray(array)
+
+    def rows(self, name, rows: range) -> np.ndarray:
+        """Rows of a vocabulary table (embedding or lm_head) as float32, the rest unread."""
+        return np.ascontiguousarray(self.gguf.array(self._names[name], rows))
 
     def quantized(self, name):
         """The tensor's own grid (export/quantize.py: SourceWeight), or None for a float one

@@ -36,10 +36,13 @@ ONNX_DTYPE = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): Ten
 class Graph:
     """Nodes, inputs, outputs and initializers of one ONNX graph under construction."""
 
-    def __init__(self, name: str, dtype=np.float32):
-        self.name, self.dtype = name, np.dtype(dtype)
+    def __init__(self, name: str, dtype=np.float32, files=None):
+        """files: the artifact's WeightFiles (export/writer.py), which take each weight to
+        disk as it is named; without them the graph keeps its weights in memory."""
+        self.name, self.dtype, self.files = name, np.dtype(dtype), files
         self.nodes, self.inputs, self.outputs = [], [], []
-        self.initializers = {}  # name -> numpy array (names are shared across graphs)
+        # name -> numpy array, or (Stored, shape) once on disk (names are shared across graphs)
+        self.initializers = {}
         self.block_sums = {}  # (input name, block) -> its block sums, for residual minima
         self.shares_weights = False  # a batch graph: every weight is another graph's
         self._count = 0
@@ -53,8 +56,13 @@ class Graph:
         self.outputs.append(helper.make_tensor_value_info(name, ONNX_DTYPE[np.dtype(elem)], shape))
 
     def weight(self, name, array, cast=True):
-        """An initializer; float weights stored in another dtype get a Cast (folded at load)."""
-        self.initializers[name] = np.ascontiguousarray(array)
+        """An initializer; float weights stored in another dtype get a Cast (folded at load).
+        Shape constants (int64) stay in the graph, for shape inference."""
+        if self.files is None or array.dtype == np.int64:
+            self.initializers[name] = np.ascontiguousarray(array)
+        else:
+            self.initializers[name] = (self.files.put(name, array, f"{self.name}.data"),
+                                       array.shape)
         if cast and array.dtype.kind == "f" and array.dtype != self.dtype:
             return self.op("Cast", [name], to=ONNX_DTYPE[self.dtype])
         return name
@@ -66,6 +74,13 @@ class Graph:
         self.nodes.append(helper.make_node(op_type, inputs, outputs, name=f"{op_type}_{self._count}",
                                            domain=domain, **attrs))
         return outputs[0] if len(outputs) == 1 else outputs
+
+    def as_rows(self, name):
+        """View a weight [N, ...] as [N, rest] (a table two ops read, each its own way)."""
+        w = self.initializers[name]
+        shape = w.shape if isinstance(w, np.ndarray) else w[1]
+        shape = (shape[0], int(np.prod(shape[1:])))
+        self.initializers[name] = w.reshape(shape) if isinstance(w, np.ndarray) else (w[0], shape)
 
     def model(self, initializers) -> onnx.ModelProto:
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializers)
@@ -94,11 +109,15 @@ class Blocks:
         self.nbits = {"int4": 4, "int8": 8}.get(precision)
         self.on_layer = lambda: None  # progress callback, once per layer built
         self.head_gram = None  # X'X of the lm_head's inputs, when GPTQ gathered it
-        self._quantized = {}  # (name, bits, weight digest) -> quantized weight
+        # (name, bits, weight digest) -> GPTQ's weight: made once, kept for rebuilds
+        self._gptq = {}
+        # other weights made, while the graphs that share them are built (lockstep)
+        self._made = {}
 
     def release(self):
-        """Forget the quantized weights kept for rebuilding graphs."""
-        self._quantized.clear()
+        """Forget the weights kept for building and rebuilding graphs."""
+        self._gptq.clear()
+        self._made.clear()
 
     def linear(self, g, x, name, w, bias=None):
         """x @ w.T (+ bias); w is [out, in] as in Hugging Face checkpoints."""
@@ -130,11 +149,13 @@ class Blocks:
         digest = hashlib.sha1(np.ascontiguousarray(q.scales)).hexdigest()
         return self.cached((name, "columns", digest), lambda: residual_columns(q))
 
-    def cached(self, key, make):
-        """make(), once per export: calibration rebuilds the graphs at other exit layers."""
-        if key not in self._quantized:
-            self._quantized[key] = make()
-        return self._quantized[key]
+    def cached(self, key, make, kept=None):
+        """make(), once for the graphs built side by side (lockstep); kept: a dict that
+        keeps it for the whole export instead (GPTQ: too slow to make twice)."""
+        made = self._made if kept is None else kept
+        if key not in made:
+            made[key] = make()
+        return made[key]
 
     def quantized(self, name, w, bits, gram=None):
         """Float weights w at `bits` (4: zero points; 8: symmetric), once per export:
@@ -144,7 +165,9 @@ class Blocks:
         if bits == 8:
             return self.cached(key, lambda: quantize_int8(w))
         if gram is not None:  # export passes grams only for the zp scheme
-            return self.cached(key, lambda: gptq_int4(w, gram))
+            return self.cached(key, lambda: gptq_int4(w, gram), self._gptq)
+        if key in self._gptq:  # GPTQ made it before the graphs were built
+            return self._gptq[key]
         return self.cached(key, lambda: quantize_int4(w))
 
     LINEARS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -278,6 +301,28 @@ class Blocks:
 
     def layers(self, g, hidden, first, last, lengths):
         """Decoder layers [first, last) on the residual stream; returns the new stream."""
+        return self.lockstep([self.layer_steps(g, hidden, first, last, lengths)])[0]
+
+    def lockstep(self, builds) -> list:
+        """Run several graphs' layer_steps side by side, a layer at a time: each layer's
+        weights are made once for all of them and forgotten after, so building never holds
+        more than a layer's. Returns each graph's output stream."""
+        outputs, pending = [None] * len(builds), dict(enumerate(builds))
+        while pending:
+            for i, build in list(pending.items()):
+                try:
+                    next(build)
+                except StopIteration as done:
+                    outputs[i] = done.value
+                    del pending[i]
+            self._made.clear()
+            if pending:
+                self.on_layer()
+        return outputs
+
+    def layer_steps(self, g, hidden, first, last, lengths):
+        """Decoder layers [first, last) on the residual stream, a layer per step (a
+        generator: see lockstep); returns the new stream."""
         a, rotary = self.arch, {}
         for layer in range(first, last):  # Gemma's local layers have a rotary base of their own
             local = self.local_rope(layer)
@@ -299,7 +344,7 @@ class Blocks:
             mlp_out = self.mlp(g, x, layer)
             if a.sandwich_norms:
                 mlp_out = self.rms_norm(g, mlp_out, p + "post_feedforward_layernorm")
-            self.on_layer()
+            yield
         return g.op("Add", [mlp_out, residual])
 
     def local_rope(self, layer) -> bool:
@@ -330,6 +375,12 @@ class Blocks:
         return [(f"{name}.frequent", self.quantized(f"{name}.frequent", frequent, 8), 8),
                 (f"{name}.rare", self.quantized(f"{name}.rare", rare, 4, gram), 4)]
 
+    def table(self, tensor, name) -> tuple:
+        """(float table, None) or (None, the source's grid of it): a table dequantized to
+        float32 only where it is quantized anew (a large vocabulary's takes gigabytes)."""
+        source = self.source_weight(name, [tensor])
+        return (None, source) if source is not None else (self.w[tensor], None)
+
     def embedding(self, g, ids):
         rows = self._embedding_rows(g, ids)
         if not self.arch.embedding_scale:
@@ -339,11 +390,11 @@ class Blocks:
         return g.op("Mul", [rows, g.weight("embedding_scale", scale, cast=False)])
 
     def _embedding_rows(self, g, ids):
-        table = self.w["model.embed_tokens.weight"]
         if not self.nbits:
+            table = self.w["model.embed_tokens.weight"]
             return g.op("Gather", [g.weight("embed_tokens", table.astype(self.store)), ids], axis=0)
-        parts = self.vocab_parts("embed_tokens", table, self.source_weight(
-            "embed_tokens", ["model.embed_tokens.weight"]))
+        parts = self.vocab_parts("embed_tokens", *self.table("model.embed_tokens.weight",
+                                                             "embed_tokens"))
         if len(parts) == 1:
             return self._lookup(g, ids, *parts[0])
         # mixed: each id looked up in both parts (clamped into range), the right one kept
@@ -364,7 +415,7 @@ class Blocks:
             q = self.with_residual_columns(name, q)
         qweight, scales, zero_points = self.nbits_inputs(g, name, q)
         # the same bytes as the lm_head's MatMulNBits weight, viewed as [vocab, hidden bytes]
-        g.initializers[qweight] = q.packed.reshape(q.packed.shape[0], -1)
+        g.as_rows(qweight)
         rows = g.op("GatherBlockQuantized", [qweight, ids, scales, zero_points], domain=MS,
                     bits=bits, block_size=q.block, gather_axis=0, quantize_axis=1)
         if residual is None:
@@ -386,10 +437,11 @@ class Blocks:
         tied = self.arch.tie_word_embeddings
         name = "embed_tokens" if tied else "lm_head"
         tensor = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        table, source = self.w[tensor], self.source_weight(name, [tensor])
+        table, source = self.table(tensor, name)
         if vocab is not None:
-            name, table = "draft_head", table[vocab]
-            source = None if source is None else source.take(vocab)
+            name = "draft_head"
+            table, source = ((None, source.take(vocab)) if source is not None
+                             else (table[vocab], None))
         if self.nbits:
             logits = [self.matmul_nbits(g, x, part, q)
                       for part, q, _ in self.vocab_parts(name, table, source)]
@@ -435,31 +487,41 @@ class Lengths:
         return "" if self.slots == 1 else f".{slot}"
 
 
-def build_lower(blocks: Blocks, exit_layer: int, dtype, slots=1) -> Graph:
-    g = Graph(batch_name("lower", slots), dtype)
-    g.shares_weights = slots > 1
-    ids = g.input("input_ids", np.int64, [1, "seq"])
-    lengths = Lengths(g, slots)
-    hidden = blocks.layers(g, blocks.embedding(g, ids), 0, exit_layer, lengths)
-    g.output(hidden, "exit_hidden", g.dtype, [1, "seq", blocks.arch.hidden_size])
-    return g
+def build_lower(blocks: Blocks, exit_layer: int, dtype, slot_counts=(1,), files=None) -> list:
+    """lower.onnx (one slot) and its batch graphs (several), built side by side."""
+    graphs, builds = [], []
+    for slots in slot_counts:
+        g = Graph(batch_name("lower", slots), dtype, files)
+        g.shares_weights = slots > 1
+        ids = g.input("input_ids", np.int64, [1, "seq"])
+        lengths = Lengths(g, slots)
+        graphs.append(g)
+        builds.append(blocks.layer_steps(g, blocks.embedding(g, ids), 0, exit_layer, lengths))
+    for g, hidden in zip(graphs, blocks.lockstep(builds)):
+        g.output(hidden, "exit_hidden", g.dtype, [1, "seq", blocks.arch.hidden_size])
+    return graphs
 
 
-def build_upper(blocks: Blocks, exit_layer: int, dtype, slots=1) -> Graph:
-    g = Graph(batch_name("upper", slots), dtype)
-    g.shares_weights = slots > 1
-    hidden = g.input("exit_hidden", dtype, [1, "seq", blocks.arch.hidden_size])
-    lengths = Lengths(g, slots)
-    out = blocks.layers(g, hidden, exit_layer, blocks.arch.num_layers, lengths)
-    g.output(out, "final_hidden", g.dtype, [1, "seq", blocks.arch.hidden_size])
-    return g
+def build_upper(blocks: Blocks, exit_layer: int, dtype, slot_counts=(1,), files=None) -> list:
+    """upper.onnx (one slot) and its batch graphs (several), built side by side."""
+    graphs, builds = [], []
+    for slots in slot_counts:
+        g = Graph(batch_name("upper", slots), dtype, files)
+        g.shares_weights = slots > 1
+        hidden = g.input("exit_hidden", dtype, [1, "seq", blocks.arch.hidden_size])
+        graphs.append(g)
+        builds.append(blocks.layer_steps(g, hidden, exit_layer, blocks.arch.num_layers,
+                                         Lengths(g, slots)))
+    for g, out in zip(graphs, blocks.lockstep(builds)):
+        g.output(out, "final_hidden", g.dtype, [1, "seq", blocks.arch.hidden_size])
+    return graphs
 
 
-def build_draft(blocks: Blocks, adapter: bool, vocab, dtype) -> Graph:
+def build_draft(blocks: Blocks, adapter: bool, vocab, dtype, files=None) -> Graph:
     """Draft logits for the last of the given exit states: through the exit adapter (stored
     in `blocks` as decoder layer N, with its own KV cache) when there is one, then the
     final norm and the lm_head rows of `vocab` (None: all)."""
-    g = Graph("draft", dtype)
+    g = Graph("draft", dtype, files)
     hidden = g.input("exit_hidden", dtype, [1, "seq", blocks.arch.hidden_size])
     if adapter:
         n = blocks.arch.num_layers
@@ -471,9 +533,9 @@ def build_draft(blocks: Blocks, adapter: bool, vocab, dtype) -> Graph:
     return g
 
 
-def build_head(blocks: Blocks, dtype) -> Graph:
+def build_head(blocks: Blocks, dtype, files=None) -> Graph:
     """Logits for the chosen rows of a hidden sequence (prefill needs only the last)."""
-    g = Graph("head", dtype)
+    g = Graph("head", dtype, files)
     hidden = g.input("hidden", dtype, [1, "seq", blocks.arch.hidden_size])
     rows = g.input("rows", np.int64, ["rows"])
     picked = g.op("Gather", [hidden, rows], axis=1)

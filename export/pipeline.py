@@ -23,7 +23,7 @@ from .graph import ACCURACY_LEVEL, Blocks, build_draft, build_head, build_lower,
 from .progress import progress
 from .quantize import BLOCK, INT4_SCHEMES
 from .source import load_source
-from .writer import write_graphs, write_manifest, write_tokenizer
+from .writer import WeightFiles, write_graphs, write_manifest, write_tokenizer
 
 PRECISIONS = ("auto", "int4", "int8", "fp16", "fp32")
 # int4 follows these too loosely on the quality gate (top-1 against the float model on the
@@ -238,32 +238,34 @@ def _measure(artifact, source, partial, plan, log):
 
 
 class ArtifactBuilder:
-    """Writes (and rewrites, while calibration tries exit layers and drafts) one artifact."""
+    """Writes (and rewrites, while calibration tries exit layers and drafts) one artifact.
+    Weights go to disk as each graph is built (WeightFiles): memory holds a layer's."""
 
     def __init__(self, source, blocks, out, dtype, fields):
         self.source, self.blocks, self.out, self.dtype, self.fields = source, blocks, out, dtype, fields
-        self.graphs, self.exit_layer, self.extra = [], None, {}
+        self.files, self.exit_layer, self.extra = WeightFiles(out), None, {}
         write_tokenizer(source, out)
 
     def write(self, exit_layer, draft, adapter=None, vocab=None, with_draft=False):
         """Write the graphs for `exit_layer` (and the draft graph) and the manifest."""
         blocks, arch = self.blocks, self.blocks.arch
         if exit_layer != self.exit_layer:
-            # each layer's weights are dequantized, quantized and placed in turn
+            self.files.drop({s.location for s in self.files.stored.values()})
+            # each layer's weights are dequantized, quantized and written in turn, once for
+            # the graph of one sequence and its batch graphs (the same weights)
+            slot_counts = (1, *BATCH_SLOTS)
             with progress(arch.num_layers + 1, f"building {blocks.precision} graphs (exit layer "
                           f"{exit_layer}): layers + head", unit="layer") as bar:
                 blocks.on_layer = lambda: bar.update(1)
-                self.graphs = [build_lower(blocks, exit_layer, self.dtype),
-                               build_upper(blocks, exit_layer, self.dtype),
-                               build_head(blocks, self.dtype)]
+                graphs = (build_lower(blocks, exit_layer, self.dtype, slot_counts, self.files)
+                          + build_upper(blocks, exit_layer, self.dtype, slot_counts, self.files)
+                          + [build_head(blocks, self.dtype, self.files)])
                 bar.update(1)
             blocks.on_layer = lambda: None
-            # the same layers for several sequences at once (their weights stored once)
-            self.graphs += [build(blocks, exit_layer, self.dtype, slots)
-                            for slots in BATCH_SLOTS for build in (build_lower, build_upper)]
+            write_graphs(graphs, self.out)
             self.exit_layer = exit_layer
-        graphs = list(self.graphs)
-        for name in (DRAFT_VOCAB, "draft.onnx", "draft.data"):
+        self.files.drop({"draft.data"})
+        for name in (DRAFT_VOCAB, "draft.onnx"):
             (self.out / name).unlink(missing_ok=True)
         self.extra.pop("draft_graph", None)
         if with_draft:
@@ -272,17 +274,15 @@ class ArtifactBuilder:
             if adapter is not None:
                 n = arch.num_layers  # the adapter is stored as one more decoder layer
                 blocks.w.update({f"model.layers.{n}.{k}": w for k, w in adapter.items()})
-            blocks.on_layer = lambda: None
-            graphs.append(build_draft(blocks, adapter is not None, vocab, self.dtype))
+            write_graphs([build_draft(blocks, adapter is not None, vocab, self.dtype,
+                                      self.files)], self.out)
             np.save(self.out / DRAFT_VOCAB, np.arange(arch.vocab_size) if vocab is None
                     else np.asarray(vocab, np.int64))
-        write_graphs(graphs, self.out)
         self.fields.update(exit_layer=exit_layer, draft=draft)
         return write_manifest(self.out, {**self.fields, **self.extra})
 
     def release(self):
-        """Drop the built graphs and quantized weights: they are on disk now."""
-        self.graphs, self.exit_layer = [], None
+        """Drop the weights kept for rebuilding graphs: they are on disk now."""
         self.blocks.release()
         _return_freed_memory()
 

@@ -1,10 +1,13 @@
 """Write an artifact directory: graphs with external weights, tokenizer, manifest.
 
-Each weight is stored once. A tensor used by two graphs under the same name (the tied
-embedding table of lower and head, the rotary tables of lower and upper) is written into the
-data file of the first graph that has it; the other graph points at the same bytes.
+Each weight is stored once, as the graphs are built (WeightFiles). A tensor used by two
+graphs under the same name (the tied embedding table of lower and head, the rotary tables of
+lower and upper) is written into the data file of the first graph that has it; the other
+graph points at the same bytes.
 """
+import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,58 +17,74 @@ from onnx import TensorProto, numpy_helper
 from edgespec.artifact import FORMAT_VERSION, MANIFEST, sha256_file
 
 from .graph import ONNX_DTYPE
-from .progress import progress
 
 ALIGN = 4096  # page-aligned weights can be memory-mapped by ONNX Runtime
 
 
-def _external(name, array, location, offset):
-    tensor = TensorProto(name=name, data_type=ONNX_DTYPE[array.dtype], dims=array.shape)
+@dataclass(frozen=True)
+class Stored:
+    """A weight's place in a data file: what a graph's initializer points at."""
+    location: str
+    offset: int
+    nbytes: int
+    dtype: np.dtype
+    digest: str
+
+
+class WeightFiles:
+    """An artifact's data files, written while the graphs are built: a weight goes to disk
+    when a graph first names it, so no graph holds its weights in memory. A name stored
+    once (the tied table of lower and head, a batch graph's layers) is written once; a graph
+    that names it again points at the same bytes, which must be the same."""
+
+    def __init__(self, out: Path):
+        self.out, self.stored = out, {}  # weight name -> Stored
+
+    def put(self, name, array, location) -> Stored:
+        """Store `array` as `name` in `location` unless it is stored already."""
+        data = memoryview(np.ascontiguousarray(array)).cast("B")
+        digest = hashlib.sha1(data).hexdigest()
+        if name in self.stored:
+            if self.stored[name].digest != digest:
+                raise ValueError(f"tensor {name} differs between graphs")
+            return self.stored[name]
+        with open(self.out / location, "ab") as f:
+            f.write(b"\0" * (-f.tell() % ALIGN))
+            self.stored[name] = Stored(location, f.tell(), data.nbytes, array.dtype, digest)
+            f.write(data)
+        return self.stored[name]
+
+    def has(self, name) -> bool:
+        return name in self.stored
+
+    def drop(self, locations):
+        """Delete these data files and forget what they held (a graph written anew)."""
+        for location in locations:
+            (self.out / location).unlink(missing_ok=True)
+        self.stored = {n: s for n, s in self.stored.items() if s.location not in locations}
+
+    def bytes_written(self) -> int:
+        return sum(s.nbytes for s in self.stored.values())
+
+
+def _external(name, stored: Stored, shape):
+    tensor = TensorProto(name=name, data_type=ONNX_DTYPE[np.dtype(stored.dtype)], dims=shape)
     tensor.data_location = TensorProto.EXTERNAL
-    for key, value in (("location", location), ("offset", str(offset)),
-                       ("length", str(array.nbytes))):
+    for key, value in (("location", stored.location), ("offset", str(stored.offset)),
+                       ("length", str(stored.nbytes))):
         tensor.external_data.add(key=key, value=value)
     return tensor
 
 
 def write_graphs(graphs, out: Path):
-    """Write graph.onnx + graph.data for each graph; shared tensors are written once."""
-    stored = {}  # tensor name -> (location, offset, array) of its only copy
-    total = sum(a.nbytes for g in graphs for a in g.initializers.values())
-    with progress(total, f"writing {', '.join(g.name for g in graphs)}", unit="B",
-                  unit_scale=True) as bar:
-        for g in graphs:
-            _write_graph(g, out, stored, bar)
-
-
-def _write_graph(g, out, stored, bar):
-    """graph.onnx, and graph.data for the weights no graph before it stored (a batch graph,
-    whose weights are all another's, has none)."""
-    location, data = f"{g.name}.data", None
-    initializers = []
-    try:
-        for name, array in g.initializers.items():
-            bar.update(array.nbytes)
-            if array.dtype == np.int64:  # shape constants stay inline for shape inference
-                initializers.append(numpy_helper.from_array(array, name))
-                continue
-            if name in stored:
-                loc, offset, first = stored[name]
-                if memoryview(first).cast("B") != memoryview(array).cast("B"):  # no copies
-                    raise ValueError(f"tensor {name} differs between graphs")
-            else:
-                data = data or open(out / location, "wb")
-                data.write(b"\0" * (-data.tell() % ALIGN))
-                loc, offset = location, data.tell()
-                data.write(memoryview(array).cast("B"))
-                stored[name] = (loc, offset, array)
-            initializers.append(_external(name, array, loc, offset))
-    finally:
-        if data:
-            data.close()
-        elif not g.shares_weights:  # the runtime's file list names every graph's data file
-            (out / location).write_bytes(b"")
-    onnx.save_model(g.model(initializers), out / f"{g.name}.onnx")
+    """graph.onnx for each graph (its weights are in the data files already), and an empty
+    graph.data for one that stored none: the runtime's file list names every graph's."""
+    for g in graphs:
+        initializers = [numpy_helper.from_array(w, name) if isinstance(w, np.ndarray)
+                        else _external(name, *w) for name, w in g.initializers.items()]
+        if not g.shares_weights and not (out / f"{g.name}.data").exists():
+            (out / f"{g.name}.data").write_bytes(b"")
+        onnx.save_model(g.model(initializers), out / f"{g.name}.onnx")
 
 
 def write_tokenizer(source, out: Path):
