@@ -194,10 +194,10 @@ class Engine:
     def _past_names(self, graph):
         return [i.name for i in self.sessions[graph].get_inputs() if i.name.startswith("past_")]
 
-    def new_sequence(self) -> "Sequence":
+    def new_sequence(self, positions: int = None) -> "Sequence":
         """A new conversation's buffers (KV of every layer and exit states), allocated now:
-        `sequence_bytes` of memory."""
-        return Sequence(self)
+        `sequence_bytes` of memory. positions: fewer than max_context (a measurement's)."""
+        return Sequence(self, positions or self.max_context)
 
     @property
     def sequence_bytes(self) -> int:
@@ -472,10 +472,11 @@ class Sequence:
     """One conversation's state: its KV buffers (every layer of lower, upper and the draft
     graph), the exit state of every position, and how many positions each half holds."""
 
-    def __init__(self, engine: Engine):
-        self.kv = {name: engine._alloc(engine.kv_shape) for s in engine.sessions if s != "head"
+    def __init__(self, engine: Engine, positions: int):
+        kv_shape = engine.kv_shape[:2] + [positions + PAD_ROWS] + engine.kv_shape[3:]
+        self.kv = {name: engine._alloc(kv_shape) for s in engine.sessions if s != "head"
                    for name in engine._past_names(s)}
-        shape = [1, engine.max_context, engine.hidden_size]
+        shape = [1, positions, engine.hidden_size]
         if engine.device == "cpu":  # a host array the batch graphs' rows are copied into
             self.exit_host = _host_array(shape[1:], engine.dtype)
             self.exit_states = ort.OrtValue.ortvalue_from_numpy(self.exit_host[None])
@@ -584,18 +585,20 @@ class _BatchCall(_Call):
 
 def batch_round_costs(engine: Engine, cached=200, repeat=9) -> dict:
     """Median ms of one round of a batch: {slots: {rows: ms}}, each of `slots` sequences
-    verifying rows // slots rows after `cached` positions (lower, upper and head on them)."""
+    verifying rows // slots rows after `cached` positions (lower, upper and head on them).
+    Each batch size's graphs are loaded, measured and let go in turn: every pair holds its
+    own copy of the layers' weights."""
     cached = min(cached, engine.max_context // 2)
-    sequences = [engine.new_sequence() for _ in range(max(BATCH_SLOTS))]
-    ids = [i % engine.vocab_size for i in range(cached + max(BATCH_ROWS))]
-    for seq in sequences:
-        first = 0
-        while first < cached:
-            count = engine.call_rows(first, cached - first)
-            engine.forward([(seq, first, ids[first:first + count])])
-            first += count
+    positions = cached + max(BATCH_ROWS)  # what the measurement needs, not the context
+    sequences = [engine.new_sequence(positions) for _ in range(max(BATCH_SLOTS))]
+    ids = [i % engine.vocab_size for i in range(positions)]
     costs = {}
     for slots in BATCH_SLOTS:
+        first = 0
+        while first < cached:  # the prompt, on this size's own graphs
+            count = engine.call_rows(first, min(cached - first, CHUNK // slots))
+            engine.forward([(seq, first, ids[first:first + count]) for seq in sequences[:slots]])
+            first += count
         costs[slots] = {}
         for each in (r for r in BATCH_ROWS if slots * r <= CHUNK and cached + r < engine.max_context):
             parts = [(seq, cached, ids[cached:cached + each]) for seq in sequences[:slots]]
@@ -606,7 +609,7 @@ def batch_round_costs(engine: Engine, cached=200, repeat=9) -> dict:
                 engine.head_rows(range(slots * each))
                 times.append(time.perf_counter() - start)
             costs[slots][slots * each] = 1e3 * statistics.median(times)
-    engine._batch = None  # its calls hold the sequences measured on: let them go
+        engine._batch = None  # its sessions and calls: let them go before the next size's
     return costs
 
 

@@ -30,6 +30,7 @@ LOOKUP_K = 32  # the most; each round's k comes from the plan (edgespec/lookup.p
 THRESHOLDS = (0.0, 0.3, 0.6)
 SHORTLIST_COVERAGE = (0.95, 0.99)  # of the calibration replies' tokens
 MIN_COUNT_REPLIES = 48  # replies collected only to count tokens, for a given shortlist size
+COSTS_CONTEXT = 512  # the positions of the engine that measures round costs
 PROBE_TOKENS = 32  # plain decoding's speed here, measured first, sizes the plan
 DEFAULT_K = 4  # early-exit drafts per round while nothing is measured
 FIXED = {"k": DEFAULT_K, "threshold": 0.0, "lookup_k": 0, "adaptive": False}  # while measuring
@@ -130,7 +131,10 @@ def round_costs(artifact_dir) -> dict:
     from edgespec.artifact import open_artifact
     from edgespec.engine import Engine, measured_costs
 
-    return measured_costs(Engine(open_artifact(artifact_dir, verify=False)))
+    # a short context: the rounds measured reach a few hundred positions, and a sequence's
+    # buffers are sized by its context
+    artifact = open_artifact(artifact_dir, verify=False)
+    return measured_costs(Engine(artifact, max_context=min(COSTS_CONTEXT, artifact.max_context)))
 
 
 def plain_token_seconds(artifact_dir, prompt) -> float:
