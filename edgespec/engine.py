@@ -31,6 +31,7 @@ depend on the others), and each sequence has its own GroupQueryAttention on its 
 with its own pad row, exactly as when it runs alone, so a reply in a batch is bit for bit
 its solo reply.
 """
+import ctypes
 import os
 import statistics
 import time
@@ -179,6 +180,8 @@ class Engine:
         self.kv_shape = [1, a["num_kv_heads"], self.max_context + PAD_ROWS, a["head_dim"]]
         self.final_states = self._alloc([1, CHUNK, self.hidden_size])  # by row of a call
         self.cuts = gemm_cuts(a["head_dim"])
+        # a sequence's KV buffers: every layer's of lower, upper and the draft graph
+        self.kv_names = [name for s in self.sessions if s != "head" for name in self._past_names(s)]
         self._calls = {}
         self._threads = threads
         self._batch = None  # the batch graphs' sessions and buffers, made when first used
@@ -187,6 +190,14 @@ class Engine:
         if "draft" in self.sessions:
             self._draft_logits = np.full(self.vocab_size, -np.inf, np.float32)  # -inf: not
             # in the shortlist, so never drafted
+
+    def unload(self, graphs):
+        """Let these graphs' sessions go: an engine that runs only the others from here on
+        (the single-sequence methods need lower and upper)."""
+        for name in graphs:
+            del self.sessions[name]
+        self._calls = {key: call for key, call in self._calls.items() if key[0] not in graphs}
+        return_freed_memory()
 
     def _alloc(self, shape):
         return ort.OrtValue.ortvalue_from_shape_and_type(shape, self.dtype, self.device, 0)
@@ -208,7 +219,7 @@ class Engine:
         """The memory a sequence of `context` positions would hold."""
         item = np.dtype(self.dtype).itemsize
         per_kv = int(np.prod(self.kv_shape[:2] + self.kv_shape[3:])) * item
-        buffers = sum(len(self._past_names(s)) for s in self.sessions if s != "head")
+        buffers = len(self.kv_names)
         return buffers * per_kv * (context + PAD_ROWS) + context * self.hidden_size * item
 
     def use(self, seq: "Sequence"):
@@ -474,8 +485,7 @@ class Sequence:
 
     def __init__(self, engine: Engine, positions: int):
         kv_shape = engine.kv_shape[:2] + [positions + PAD_ROWS] + engine.kv_shape[3:]
-        self.kv = {name: engine._alloc(kv_shape) for s in engine.sessions if s != "head"
-                   for name in engine._past_names(s)}
+        self.kv = {name: engine._alloc(kv_shape) for name in engine.kv_names}
         shape = [1, positions, engine.hidden_size]
         if engine.device == "cpu":  # a host array the batch graphs' rows are copied into
             self.exit_host = _host_array(shape[1:], engine.dtype)
@@ -610,6 +620,7 @@ def batch_round_costs(engine: Engine, cached=200, repeat=9) -> dict:
                 times.append(time.perf_counter() - start)
             costs[slots][slots * each] = 1e3 * statistics.median(times)
         engine._batch = None  # its sessions and calls: let them go before the next size's
+        return_freed_memory()
     return costs
 
 
@@ -623,18 +634,31 @@ def check_context(wanted, most: int) -> int:
     return wanted
 
 
-def measured_costs(engine: Engine, repeat: int = 9) -> dict:
+def measured_costs(engine: Engine, repeat: int = 9, unload_single=False) -> dict:
     """What a round through lower, upper and head costs on this machine by rows, in plain
     steps, for one sequence (lookup plans its drafts on it) and for batches of sequences
     (the batch planner's), and at how many threads: the manifest's fields. Medians of
-    `repeat` rounds (a single sequence's of more: its rounds are shorter)."""
+    `repeat` rounds (a single sequence's of more: its rounds are shorter). unload_single:
+    an engine used for nothing else lets its own lower and upper go before the batch
+    rounds, which run their own graphs: one copy of the layers in memory, not two."""
     ms = engine.round_costs(repeat=repeat * 5 // 3)
+    if unload_single:
+        engine.unload(("lower", "upper"))
     batches = batch_round_costs(engine, repeat=repeat)
     return {"round_costs": {str(rows): round(cost / ms[1], 3) for rows, cost in ms.items()},
             "batch_round_costs": {str(slots): {str(rows): round(cost / ms[1], 3)
                                                for rows, cost in by_rows.items()}
                                   for slots, by_rows in batches.items()},
             "threads": engine.threads}
+
+
+def return_freed_memory():
+    """Give the heap's freed pages back to the system: glibc keeps them otherwise, and a
+    session let go would still count against the next one loaded."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _host_array(shape, dtype, align=64) -> np.ndarray:

@@ -134,7 +134,8 @@ def round_costs(artifact_dir) -> dict:
     # a short context: the rounds measured reach a few hundred positions, and a sequence's
     # buffers are sized by its context
     artifact = open_artifact(artifact_dir, verify=False)
-    return measured_costs(Engine(artifact, max_context=min(COSTS_CONTEXT, artifact.max_context)))
+    engine = Engine(artifact, max_context=min(COSTS_CONTEXT, artifact.max_context))
+    return measured_costs(engine, unload_single=True)
 
 
 def plain_token_seconds(artifact_dir, prompt) -> float:
@@ -235,8 +236,11 @@ def calibrate_draft(artifact, exit_layer, auto, adapter, shortlist_size, calibra
         run.save(save, weights, layer)
     if plan.shortlist:
         vocab = run.choose_shortlist(layer, k, weights, plan.screen_prompts)
+    # a raw exit over the whole vocabulary needs no graph of its own: the head serves it
+    # (a second copy of the lm_head in memory otherwise)
+    with_draft = weights is not None or vocab is not None
     if not plan.prompts:
-        artifact.write(layer, ADAPTIVE, weights, vocab, with_draft=True)
+        artifact.write(layer, ADAPTIVE, weights, vocab, with_draft=with_draft)
         return
     log(f"exit layer {layer}, k {k}: the adaptive policies")
     run.report["policies"] = measure(artifact.out, final_policies(k), run.prompts[:plan.prompts],
@@ -248,7 +252,8 @@ def calibrate_draft(artifact, exit_layer, auto, adapter, shortlist_size, calibra
         f"{_describe(policy)} ({chosen['speedup']:.2f}x plain on the calibration prompts); "
         f"calibration took {run.report['minutes']} min (budget {budget_minutes:g}, "
         f"estimated {plan.seconds / 60:.1f})")
-    artifact.write(layer, {**policy, "calibration": run.report}, weights, vocab, with_draft=True)
+    artifact.write(layer, {**policy, "calibration": run.report}, weights, vocab,
+                   with_draft=with_draft)
 
 
 class Calibration:

@@ -1,6 +1,5 @@
 """`edgespec export`: source model -> quantized lower/upper/head artifact directory."""
 import contextlib
-import ctypes
 import shutil
 import time
 from collections import ChainMap
@@ -10,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 from edgespec import __version__
-from edgespec.engine import set_threads
+from edgespec.engine import return_freed_memory, set_threads
 from edgespec.errors import EdgespecError
 
 from edgespec.artifact import BATCH_SLOTS, DRAFT_VOCAB
@@ -202,7 +201,7 @@ def _build(source, plan, partial, int4_scheme, head_bits, gptq, log) -> "Artifac
     gptq = gptq and plan.precision == "int4" and int4_scheme == "zp"
     if gptq:
         quantize_layers(blocks, source, instructions()[0], log)
-        _return_freed_memory()  # the reference model's pass
+        return_freed_memory()  # the reference model's pass
     return ArtifactBuilder(source, blocks, partial, plan.dtype, {
         "source": {"model": source.origin, "sha256": source.sha256},
         "architecture": source.arch.to_dict(),
@@ -284,20 +283,11 @@ class ArtifactBuilder:
     def release(self):
         """Drop the weights kept for rebuilding graphs: they are on disk now."""
         self.blocks.release()
-        _return_freed_memory()
+        return_freed_memory()
 
     def finish(self, seconds):
         self.fields["build"]["seconds"] = round(seconds, 1)
         return write_manifest(self.out, {**self.fields, **self.extra})
-
-
-def _return_freed_memory():
-    """Give the heap's freed pages back to the system (glibc keeps them otherwise, and the
-    quality gate's reference model would come on top)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 def _tensor_types(source) -> str:
