@@ -102,6 +102,9 @@ def _export_args(sub, common):
                    help="CPU threads the draft policy and the round costs are measured at, "
                    "recorded in the manifest; a runtime with another count measures the "
                    "round costs again (default: one per CPU here, what the runtime uses)")
+    p.add_argument("--max-memory", type=_positive_number, default=None, metavar="GB",
+                   help="refuse to start when the export's estimated peak memory (printed "
+                   "first) is above this many GB (default: the memory available now)")
     p.set_defaults(run=_export)
 
 
@@ -406,7 +409,8 @@ def _export(args):
                  adapter_minutes=args.adapter_minutes, save_adapter=args.save_adapter,
                  int4_scheme=args.int4_scheme, head_bits=args.head_bits,
                  calibration_minutes=args.calibration_minutes, gptq=not args.no_gptq,
-                 threads=args.threads, log=lambda msg: print(msg, file=sys.stderr))
+                 threads=args.threads, max_memory=args.max_memory,
+                 log=lambda msg: print(msg, file=sys.stderr))
 
 
 def _positive(text):
@@ -417,6 +421,17 @@ def _positive(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive integer: it must be >= 1")
+    return value
+
+
+def _positive_number(text):
+    """An argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value:g} is not a positive number: it must be > 0")
     return value
 
 

@@ -30,7 +30,7 @@ LOOKUP_K = 32  # the most; each round's k comes from the plan (edgespec/lookup.p
 THRESHOLDS = (0.0, 0.3, 0.6)
 SHORTLIST_COVERAGE = (0.95, 0.99)  # of the calibration replies' tokens
 MIN_COUNT_REPLIES = 48  # replies collected only to count tokens, for a given shortlist size
-COSTS_CONTEXT = 512  # the positions of the engine that measures round costs
+SHORT_CONTEXT = 512  # positions of the engines that measure round costs and plain speed
 PROBE_TOKENS = 32  # plain decoding's speed here, measured first, sizes the plan
 DEFAULT_K = 4  # early-exit drafts per round while nothing is measured
 FIXED = {"k": DEFAULT_K, "threshold": 0.0, "lookup_k": 0, "adaptive": False}  # while measuring
@@ -131,18 +131,23 @@ def round_costs(artifact_dir) -> dict:
     from edgespec.artifact import open_artifact
     from edgespec.engine import Engine, measured_costs
 
-    # a short context: the rounds measured reach a few hundred positions, and a sequence's
-    # buffers are sized by its context
-    artifact = open_artifact(artifact_dir, verify=False)
-    engine = Engine(artifact, max_context=min(COSTS_CONTEXT, artifact.max_context))
+    engine = Engine(open_artifact(artifact_dir, verify=False),
+                    max_context=short_context(artifact_dir))
     return measured_costs(engine, unload_single=True)
+
+
+def short_context(artifact_dir) -> int:
+    """The context of an engine that measures short runs: a sequence's buffers are sized by
+    its context (an 8B model's take a gigabyte at 4096 positions)."""
+    from edgespec.artifact import open_artifact
+    return min(SHORT_CONTEXT, open_artifact(artifact_dir, verify=False).max_context)
 
 
 def plain_token_seconds(artifact_dir, prompt) -> float:
     """Seconds per token of plain greedy decoding here: a short generation after a warm-up."""
     import edgespec
 
-    model = edgespec.load(artifact_dir, verify=False)
+    model = edgespec.load(artifact_dir, verify=False, max_context=short_context(artifact_dir))
     ids = model.encode(prompt)
     model.generate_ids(ids, 4, mode="plain", ignore_eos=True, temperature=0)
     return 1 / model.generate_ids(ids, PROBE_TOKENS, mode="plain", ignore_eos=True,

@@ -234,6 +234,11 @@ class GGUFWeights(Mapping):
     def __len__(self):
         return len(self._names)
 
+    def stored_as(self, name) -> tuple:
+        """(GGUF type id, shape) of a tensor, without reading it."""
+        kind, shape, _ = self.gguf.tensors[self._names[name]]
+        return kind, shape
+
     def nbytes(self, name) -> int:
         """The float32 size of a tensor, without reading it."""
         return 4 * int(np.prod(self.gguf.tensors[self._names[name]][1]))
