@@ -234,10 +234,13 @@ class GGUFWeights(Mapping):
     def __len__(self):
         return len(self._names)
 
-    def stored_as(self, name) -> tuple:
-        """(GGUF type id, shape) of a tensor, without reading it."""
-        kind, shape, _ = self.gguf.tensors[self._names[name]]
-        return kind, shape
+    def type_name(self, name) -> str:
+        """A tensor's GGUF type, without reading it."""
+        return gguf_quants.type_name(self.gguf.tensors[self._names[name]][0])
+
+    def shape(self, name) -> tuple:
+        """A tensor's shape (numpy order), without reading it."""
+        return self.gguf.tensors[self._names[name]][1]
 
     def nbytes(self, name) -> int:
         """The float32 size of a tensor, without reading it."""

@@ -65,22 +65,21 @@ def estimate(source, precision, int4_scheme, max_context) -> Estimate:
                     running=int(RESIDENT * artifact + kv + 4 * max_context * a.hidden_size
                                 + layer + PROCESS_BYTES),
                     build=int(BUILD * 4 * max(sizes.values()) + PROCESS_BYTES),
-                    source=0 if hasattr(source.weights, "stored_as") else 4 * sum(sizes.values()))
+                    source=0 if hasattr(source.weights, "shape") else 4 * sum(sizes.values()))
 
 
 def tensor_sizes(weights) -> dict:
-    """Parameter name -> number of values, without reading any."""
-    if not hasattr(weights, "stored_as"):
-        return {name: int(np.prod(np.shape(w))) for name, w in weights.items()}
-    return {name: int(np.prod(weights.stored_as(name)[1])) for name in weights}
+    """Parameter name -> number of values, without reading any (a GGUF or safetensors
+    source), or of the arrays given."""
+    shape = getattr(weights, "shape", lambda name: np.shape(weights[name]))
+    return {name: int(np.prod(shape(name))) for name in weights}
 
 
 def tensor_types(weights) -> dict:
     """Parameter name -> its GGUF type's name ({} for other sources)."""
-    from .gguf_quants import type_name
-    if not hasattr(weights, "stored_as"):
+    if not hasattr(weights, "type_name"):
         return {}
-    return {name: type_name(weights.stored_as(name)[0]) for name in weights}
+    return {name: weights.type_name(name) for name in weights}
 
 
 def available_bytes() -> int:
@@ -106,7 +105,7 @@ def check_fits(need: Estimate, limit_gb=None, log=print):
         ("allowed (--max-memory)" if limit_gb is not None else "available"))
     if need.peak <= limit:
         return
-    fix = ("load a GGUF instead: its tensors are read one at a time" if need.source else
+    fix = ("save the checkpoint as safetensors: they are read a tensor at a time" if need.source else
            "free memory or export on a machine with more: running the artifact needs about "
            f"{size(need.running - PROCESS_BYTES)}, its weights and one sequence's KV cache "
            "(--max-context lowers the cache)")

@@ -14,7 +14,7 @@ from edgespec.errors import EdgespecError
 
 from edgespec.artifact import BATCH_SLOTS, DRAFT_VOCAB
 
-from . import fidelity, quality
+from . import fidelity, memory, quality
 from .calibrate import ADAPTIVE, calibrate_draft, instructions, round_costs
 from . import graph
 from .gptq import quantize_layers
@@ -81,7 +81,7 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
                  device="cpu", adapter=None, shortlist=None, calibrate=False,
                  adapter_minutes=DEFAULT_ADAPTER_MINUTES, save_adapter=None, int4_scheme="auto",
                  head_bits=DEFAULT_HEAD_BITS, calibration_minutes=DEFAULT_CALIBRATION_MINUTES,
-                 gptq=True, threads=None, log=print):
+                 gptq=True, threads=None, max_memory=None, log=print):
     """Export MODEL (None: the bundled SmolLM2) and return the manifest written.
 
     exit_layer: a layer number, None (3/4 of the depth) or "auto" (chosen by measured speed
@@ -98,7 +98,8 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
     decoder layers and the table's 4-bit rows by GPTQ on calibration text (export/gptq.py),
     else round each on its own. threads: the CPU threads calibration and the round costs
     are measured at (default: what the runtime uses on this machine); the manifest records
-    them."""
+    them. max_memory: GB the export may take (default: what is available); an export whose
+    estimated peak is above it is refused before anything is built."""
     start = time.perf_counter()
     check_formats(precision, device, int4_scheme, head_bits)
     set_threads(threads)  # the process's one pool: every measurement runs on it
@@ -110,6 +111,8 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
     int4_scheme = _int4_scheme(source, int4_scheme, precision)
     plan = _plan(source, out, exit_layer, precision, max_context, device, adapter,
                  int4_scheme, log)
+    memory.check_fits(memory.estimate(source, plan.precision, int4_scheme, plan.max_context),
+                      max_memory, log)
     with _staged(plan.out) as partial:
         artifact = _build(source, plan, partial, int4_scheme,
                           8 if plan.precision == "int8" else head_bits, gptq, log)
