@@ -46,6 +46,7 @@ from .errors import EdgespecError
 CHUNK = 256  # the most positions one call handles (prefill is cut into chunks)
 COST_ROWS = (1, 2, 3, 4, 6, 8, 16, 32)  # the rows of a round whose cost round_costs measures
 BATCH_ROWS = (1, 2, 3, 4, 6, 8)  # rows per sequence of the batch rounds it measures
+COSTS_STEPS = 150  # about what one repeat of every round measured costs, in plain steps
 NUMPY_DTYPE = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
@@ -400,26 +401,26 @@ class Engine:
         self.upper(1)
         return self.head(self.final_states, [0])[0]
 
-    def round_costs(self, cached=200, repeat=15) -> dict:
-        """Median ms of one round through lower, upper and head on M rows, for M in COST_ROWS
+    def round_costs(self, cached=200, repeat=15, rows=COST_ROWS) -> dict:
+        """Median ms of one round through lower, upper and head on M rows, for M in `rows`
         (those that fit twice in the context), after `cached` positions: a verify of M - 1
         drafts against a plain step (M = 1). Leaves the cache empty."""
-        measured = [rows for rows in COST_ROWS if 2 * rows < self.max_context]
+        measured = [m for m in rows if 2 * m < self.max_context]
         cached = min(cached, self.max_context - 2 * max(measured))
         ids = [i % self.vocab_size for i in range(cached + max(measured))]
         self.reset()
         self.prefill(ids[:cached])
         costs = {}
-        for rows in measured:
+        for m in measured:
             times = []
             for _ in range(repeat):
                 start = time.perf_counter()
-                self.lower(ids[cached:cached + rows])
-                self.upper(rows)
-                self.head(self.final_states, range(rows))
+                self.lower(ids[cached:cached + m])
+                self.upper(m)
+                self.head(self.final_states, range(m))
                 times.append(time.perf_counter() - start)
                 self.rollback(cached)
-            costs[rows] = 1e3 * statistics.median(times)
+            costs[m] = 1e3 * statistics.median(times)
         self.reset()
         return costs
 
@@ -634,14 +635,18 @@ def check_context(wanted, most: int) -> int:
     return wanted
 
 
-def measured_costs(engine: Engine, repeat: int = 9, unload_single=False) -> dict:
+def measured_costs(engine: Engine, repeat: int = 9, unload_single=False, seconds=None) -> dict:
     """What a round through lower, upper and head costs on this machine by rows, in plain
     steps, for one sequence (lookup plans its drafts on it) and for batches of sequences
     (the batch planner's), and at how many threads: the manifest's fields. Medians of
-    `repeat` rounds (a single sequence's of more: its rounds are shorter). unload_single:
+    `repeat` rounds (a single sequence's of more: its rounds are shorter); seconds: about
+    the most to spend, fewer repeats where a step is slow (a large model). unload_single:
     an engine used for nothing else lets its own lower and upper go before the batch
     rounds, which run their own graphs: one copy of the layers in memory, not two."""
-    ms = engine.round_costs(repeat=repeat * 5 // 3)
+    if seconds is not None:
+        step = engine.round_costs(repeat=3, rows=(1,))[1] / 1e3
+        repeat = max(1, min(repeat, int(seconds / (COSTS_STEPS * step))))
+    ms = engine.round_costs(repeat=max(1, repeat * 5 // 3))
     if unload_single:
         engine.unload(("lower", "upper"))
     batches = batch_round_costs(engine, repeat=repeat)

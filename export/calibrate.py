@@ -30,6 +30,7 @@ LOOKUP_K = 32  # the most; each round's k comes from the plan (edgespec/lookup.p
 THRESHOLDS = (0.0, 0.3, 0.6)
 SHORTLIST_COVERAGE = (0.95, 0.99)  # of the calibration replies' tokens
 MIN_COUNT_REPLIES = 48  # replies collected only to count tokens, for a given shortlist size
+COSTS_SECONDS = 120  # about the most export spends measuring round costs
 SHORT_CONTEXT = 512  # positions of the engines that measure round costs and plain speed
 PROBE_TOKENS = 32  # plain decoding's speed here, measured first, sizes the plan
 DEFAULT_K = 4  # early-exit drafts per round while nothing is measured
@@ -133,7 +134,7 @@ def round_costs(artifact_dir) -> dict:
 
     engine = Engine(open_artifact(artifact_dir, verify=False),
                     max_context=short_context(artifact_dir))
-    return measured_costs(engine, unload_single=True)
+    return measured_costs(engine, unload_single=True, seconds=COSTS_SECONDS)
 
 
 def short_context(artifact_dir) -> int:
