@@ -253,7 +253,7 @@ def genai_quality(artifact, genai):
     manifest = json.loads((Path(artifact) / "manifest.json").read_text())
     source = load_source(manifest)
     ids = quality.passage_ids(source.tokenizer)
-    reference = quality.scores(quality.reference_logits(source.torch_model, ids), ids)
+    reference = quality.reference_scores(reference_model(source), ids)
     theirs = quality.compare(reference, quality.scores(genai.logits(ids), ids), ids)
     print("| model | top-1 agreement | perplexity (full precision: "
           f"{theirs['reference_perplexity']:.2f}) |\n|---|---|---|")
@@ -263,9 +263,15 @@ def genai_quality(artifact, genai):
 
 
 def load_source(manifest):
-    """The model an artifact was exported from, in float32 (transformers)."""
+    """The model an artifact was exported from (export/source.py's SourceModel)."""
     from edgespec.export.source import load_source, model_argument
     return load_source(model_argument(manifest["source"]["model"]))
+
+
+def reference_model(source):
+    """The source in float32 for export's gates, one layer in memory at a time."""
+    from edgespec.export.reference import Reference
+    return Reference(source.arch, source.weights)
 
 
 def source_gguf(manifest) -> Path:
@@ -365,11 +371,14 @@ def speeds(engines, modes, prompts, ours, sampling, args) -> list:
 
 def judge_fidelity(model, manifest, engines, questions=fidelity.QUESTIONS) -> dict:
     """Export's fidelity gate for each engine (anything with answers(stop_ids)), against the
-    float32 source's greedy replies; `model` (an edgespec Model) tokenizes the questions."""
+    float32 source's greedy replies; `model` (an edgespec Model) tokenizes the questions and
+    drafts the reference's replies."""
     rows = fidelity.questions(questions)
     prompts = [model.encode(row["question"]) for row in rows]
     stop_ids = set(model.stop_ids)
-    references = fidelity.reference_replies(load_source(manifest).torch_model, prompts, stop_ids)
+    replies, _ = fidelity.reference_replies(reference_model(load_source(manifest)), prompts,
+                                            stop_ids, fidelity.ArtifactAnswers(model).continuation)
+    references = [replies[i] for i in range(len(rows))]
     decode = model.codec.decode
     n = len(rows)
     right = sum(fidelity.is_right(decode(r), row["answer"]) for r, row in zip(references, rows))

@@ -98,9 +98,10 @@ def quantize_layers(blocks, source, prompts, log=print):
     rows (Blocks.vocab_parts). One pass of the calibration text through the
     reference model, which holds one layer at a time: each layer's inputs are gathered as it
     runs and its weights quantized right after, so only one layer's X'X is ever held."""
-    import torch
+    from .reference import Reference
     ids = calibration_ids(source, prompts, calibration_tokens(blocks.arch))
-    model = source.streamed_reference()
+    reference = Reference(source.arch, source.weights)
+    model = reference.model
     hooks, grams = [], {}
 
     def accumulate(name, x):
@@ -119,16 +120,16 @@ def quantize_layers(blocks, source, prompts, log=print):
         return hook
 
     # the final norm's output is the lm_head's input: GPTQ for the vocabulary table's 4-bit rows
-    hooks.append(model.model.norm.register_forward_hook(
+    hooks.append(model.norm.register_forward_hook(
         lambda module, args, out: accumulate("head", out)))
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(model.layers):
         for name, modules in blocks.LINEARS.items():  # the first of each reads the inputs
             hooks.append(layer.get_submodule(modules[0]).register_forward_pre_hook(gather(name)))
         hooks.append(layer.register_forward_hook(finish(i)))
     log(f"GPTQ: {ids.size} calibration tokens through the full-precision model")
     try:
-        with progress(blocks.arch.num_layers, "GPTQ", unit="layer") as bar, torch.no_grad():
-            model.model(torch.from_numpy(ids))  # the decoder only: no logits are needed
+        with progress(blocks.arch.num_layers, "GPTQ", unit="layer") as bar:
+            reference.hidden(ids.tolist())  # the decoder only: no logits are needed
     finally:
         for hook in hooks:
             hook.remove()

@@ -33,6 +33,7 @@ DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_ADAPTER_MINUTES = 8.0
 DEFAULT_CALIBRATION_MINUTES = 5.0
 DEFAULT_HEAD_BITS = "mixed"
+FIDELITY_MINUTES = 10  # the fidelity gate's budget: a large model answers fewer questions
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -231,10 +232,12 @@ def _measure(artifact, source, partial, plan, log):
     if plan.device == "cpu" or "CUDAExecutionProvider" in ort.get_available_providers():
         log("measuring what verifying more rows at once costs here ...")
         artifact.fields.update(round_costs(partial))
+        return_freed_memory()  # each phase's sessions and passes, before the next's
     log("measuring quality against the full-precision model ...")
     artifact.fields["quality"] = quality.measure(source, partial, plan.max_context)
+    return_freed_memory()
     log("measuring fidelity: greedy answers against the full-precision model's ...")
-    gate = fidelity.measure(source, partial, plan.max_context)
+    gate = fidelity.measure(source, partial, plan.max_context, FIDELITY_MINUTES * 60)
     if gate:
         artifact.fields["fidelity"] = gate
 
@@ -337,5 +340,7 @@ def _summary(out, manifest, seconds, log):
         + (f"  fidelity on short questions: first 16 greedy tokens equal to the full-precision "
            f"model's on {f['first16_equal']} of {f['questions']}, teacher-forced top-1 "
            f"{f['top1_agreement']:.3f}, right answers {f['right']} (full precision "
-           f"{f['reference_right']})\n" if f else "") +
+           f"{f['reference_right']})"
+           + (f"; {f['left_out']} questions left out to fit the gate's {FIDELITY_MINUTES} "
+              "minutes" if f.get("left_out") else "") + "\n" if f else "") +
         f"  total {sum(f['bytes'] for f in files.values()) / 1e6:.1f} MB in {seconds:.0f} s")

@@ -21,11 +21,11 @@ def passage_ids(tokenizer) -> list:
     return ids if bos is None else [bos] + ids
 
 
-def reference_logits(torch_model, ids) -> np.ndarray:
-    """[len(ids), vocab] next-token logits of the full-precision model (transformers)."""
-    import torch
-    with torch.no_grad():
-        return torch_model(torch.tensor([ids])).logits[0].float().numpy()
+def reference_scores(reference, ids) -> tuple:
+    """scores() of the full-precision model (export/reference.py's Reference), made a slice
+    of the vocabulary at a time: no [len(ids), vocab] logits."""
+    top1, log_p = reference.scores(reference.hidden([ids])[0], ids[1:])
+    return top1, -log_p
 
 
 def scores(logits, ids) -> tuple:
@@ -48,7 +48,7 @@ def artifact_scores(path, ids) -> tuple:
     the passage's (with a large vocabulary those take gigabytes)."""
     from edgespec.engine import CHUNK
     from edgespec.model import load
-    engine = load(path, verify=False).engine
+    engine = load(path, verify=False, max_context=max(2, len(ids))).engine  # buffers: no more
     top1, nll = [], []
     for start in range(0, len(ids), CHUNK):
         chunk = ids[start:start + CHUNK]
@@ -72,8 +72,8 @@ def compare(reference, scored, ids) -> dict:
 
 def measure(source, path, max_context) -> dict:
     """The gate's numbers for the artifact at `path`, made from `source` (export's model);
-    the passage is cut to the artifact's context. The reference's logits are dropped once
-    scored, before the artifact is loaded."""
+    the passage is cut to the artifact's context."""
+    from .reference import Reference
     ids = passage_ids(source.tokenizer)[:max_context]
-    reference = scores(reference_logits(source.streamed_reference(), ids), ids)
+    reference = reference_scores(Reference(source.arch, source.weights), ids)
     return compare(reference, artifact_scores(path, ids), ids)

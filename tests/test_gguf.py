@@ -153,9 +153,9 @@ def test_export_reports_progress_of_every_phase(gguf_pair, tmp_path):
     result = run_cli("export", gguf_pair[1], "-o", tmp_path / "m", "--no-calibrate",
                      "--exit-layer", "1", "--adapter", "none", "--shortlist", "0")
     assert result.returncode == 0, result.stderr
-    for phase in ("read llama: 2 layers", "GGUF tensors Q8_0 15, F32 5",
+    for phase in ("read llama: 2 layers", "GGUF tensors Q8_0 15, F32 5", "memory: about",
                   "building int4 graphs (exit layer 1): layers + head: 100%", "3/3",
-                  "writing lower, upper, head, lower_x2", "measuring quality"):
+                  "measuring quality", "measuring fidelity"):
         assert phase in result.stderr, phase
     assert json.loads((tmp_path / "m" / "manifest.json").read_text())["architecture"][
         "model_type"] == "llama"
