@@ -139,7 +139,8 @@ def measure(source, path, max_context, seconds=None) -> dict:
     on the questions whose reply fits the artifact's context; None when none does.
     seconds: about the most the gate may take. The questions it affords are chosen up
     front, in order, from the time of the artifact's first reply; "questions" counts those
-    measured, "left_out" the rest (and any whose reference reply the budget cut)."""
+    measured (0: no reference reply finished in time), "left_out" the rest (and any whose
+    reference reply the budget cut)."""
     from edgespec.model import load
     from .calibrate import short_context
     from .reference import Reference
@@ -163,8 +164,8 @@ def measure(source, path, max_context, seconds=None) -> dict:
     left = None if seconds is None else seconds - (time.monotonic() - start)
     replies, rounds = reference_replies(Reference(source.arch, source.weights), prompts,
                                         set(model.stop_ids), answers.continuation, left)
-    if not replies:
-        return None
+    if not replies:  # the drafts agreed too little for any reply to finish in time
+        return {"questions": 0, "left_out": fitting, "reference_rounds": rounds}
     rows, prompts = [rows[i] for i in sorted(replies)], [prompts[i] for i in sorted(replies)]
     references = [replies[i] for i in sorted(replies)]
     decode = model.codec.decode

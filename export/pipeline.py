@@ -312,6 +312,21 @@ def _scheme_line(manifest) -> str:
             "kept: its fidelity below)\n")
 
 
+def _fidelity_line(f) -> str:
+    if not f:
+        return ""
+    if not f["questions"]:
+        return (f"  fidelity: no question measured; the full-precision model's replies took "
+                f"{f['reference_rounds']} rounds and did not finish within the gate's "
+                f"{FIDELITY_MINUTES} minutes (the artifact drafts them: it agrees little)\n")
+    return (f"  fidelity on short questions: first 16 greedy tokens equal to the full-precision "
+            f"model's on {f['first16_equal']} of {f['questions']}, teacher-forced top-1 "
+            f"{f['top1_agreement']:.3f}, right answers {f['right']} (full precision "
+            f"{f['reference_right']})"
+            + (f"; {f['left_out']} questions left out to fit the gate's {FIDELITY_MINUTES} "
+               "minutes" if f.get("left_out") else "") + "\n")
+
+
 def _summary(out, manifest, seconds, log):
     arch, files = manifest["architecture"], manifest["files"]
     sizes = "  ".join(f"{name} {files[name]['bytes'] / 1e6:.1f} MB" for name in
@@ -337,10 +352,5 @@ def _summary(out, manifest, seconds, log):
         f"  quality on a fixed {q['tokens']}-token text: top-1 agreement {q['top1_agreement']:.3f} "
         f"with the full-precision model, perplexity {q['perplexity']:.2f} "
         f"(full precision {q['reference_perplexity']:.2f})\n"
-        + (f"  fidelity on short questions: first 16 greedy tokens equal to the full-precision "
-           f"model's on {f['first16_equal']} of {f['questions']}, teacher-forced top-1 "
-           f"{f['top1_agreement']:.3f}, right answers {f['right']} (full precision "
-           f"{f['reference_right']})"
-           + (f"; {f['left_out']} questions left out to fit the gate's {FIDELITY_MINUTES} "
-              "minutes" if f.get("left_out") else "") + "\n" if f else "") +
+        + _fidelity_line(f) +
         f"  total {sum(f['bytes'] for f in files.values()) / 1e6:.1f} MB in {seconds:.0f} s")

@@ -176,8 +176,9 @@ def test_a_fidelity_gate_with_a_budget_measures_the_questions_it_affords(
     assert gate["left_out"] == len(fidelity.questions()) - 5
 
 
-def test_a_fidelity_gate_cut_before_any_reply_is_finished_measures_nothing(
+def test_a_fidelity_gate_cut_before_any_reply_is_finished_says_so(
         tiny_checkpoint, tiny_int4, monkeypatch):
     # the int4 artifact's drafts go astray within 48 tokens on every question
-    assert fidelity.measure(load_source(str(tiny_checkpoint)), tiny_int4, 512,
-                            seconds=one_round(monkeypatch)) is None
+    gate = fidelity.measure(load_source(str(tiny_checkpoint)), tiny_int4, 512,
+                            seconds=one_round(monkeypatch))
+    assert gate["questions"] == 0 and gate["left_out"] == len(fidelity.questions())
