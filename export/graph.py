@@ -489,31 +489,31 @@ class Lengths:
 
 def build_lower(blocks: Blocks, exit_layer: int, dtype, slot_counts=(1,), files=None) -> list:
     """lower.onnx (one slot) and its batch graphs (several), built side by side."""
-    graphs, builds = [], []
-    for slots in slot_counts:
-        g = Graph(batch_name("lower", slots), dtype, files)
-        g.shares_weights = slots > 1
-        ids = g.input("input_ids", np.int64, [1, "seq"])
-        lengths = Lengths(g, slots)
-        graphs.append(g)
-        builds.append(blocks.layer_steps(g, blocks.embedding(g, ids), 0, exit_layer, lengths))
-    for g, hidden in zip(graphs, blocks.lockstep(builds)):
-        g.output(hidden, "exit_hidden", g.dtype, [1, "seq", blocks.arch.hidden_size])
-    return graphs
+    def embedded(g):
+        return blocks.embedding(g, g.input("input_ids", np.int64, [1, "seq"]))
+    return _side_by_side(blocks, "lower", slot_counts, dtype, files, embedded, 0, exit_layer,
+                         "exit_hidden")
 
 
 def build_upper(blocks: Blocks, exit_layer: int, dtype, slot_counts=(1,), files=None) -> list:
     """upper.onnx (one slot) and its batch graphs (several), built side by side."""
+    def exit_states(g):
+        return g.input("exit_hidden", dtype, [1, "seq", blocks.arch.hidden_size])
+    return _side_by_side(blocks, "upper", slot_counts, dtype, files, exit_states, exit_layer,
+                         blocks.arch.num_layers, "final_hidden")
+
+
+def _side_by_side(blocks, name, slot_counts, dtype, files, stream, first, last, output) -> list:
+    """The graphs `name` for each count of slots, layers [first, last) on `stream(g)`, built
+    in lockstep so that each layer's weights are made once for all of them."""
     graphs, builds = [], []
     for slots in slot_counts:
-        g = Graph(batch_name("upper", slots), dtype, files)
+        g = Graph(batch_name(name, slots), dtype, files)
         g.shares_weights = slots > 1
-        hidden = g.input("exit_hidden", dtype, [1, "seq", blocks.arch.hidden_size])
         graphs.append(g)
-        builds.append(blocks.layer_steps(g, hidden, exit_layer, blocks.arch.num_layers,
-                                         Lengths(g, slots)))
+        builds.append(blocks.layer_steps(g, stream(g), first, last, Lengths(g, slots)))
     for g, out in zip(graphs, blocks.lockstep(builds)):
-        g.output(out, "final_hidden", g.dtype, [1, "seq", blocks.arch.hidden_size])
+        g.output(out, output, g.dtype, [1, "seq", blocks.arch.hidden_size])
     return graphs
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from edgespec.errors import EdgespecError
 
 # ONNX Runtime's resident bytes per byte of artifact weights: MatMulNBits' prepacked
-# layouts carry per-block sums beside the codes (DESIGN.md, Memory)
+# layouts carry per-block sums beside the codes (DESIGN.md, Larger models), with room
 RESIDENT = 1.3
 # Python, torch, transformers, the tokenizer and ONNX Runtime themselves
 PROCESS_BYTES = 0.8e9

@@ -255,7 +255,7 @@ class ArtifactBuilder:
         """Write the graphs for `exit_layer` (and the draft graph) and the manifest."""
         blocks, arch = self.blocks, self.blocks.arch
         if exit_layer != self.exit_layer:
-            self.files.drop({s.location for s in self.files.stored.values()})
+            self.files.clear()
             # each layer's weights are dequantized, quantized and written in turn, once for
             # the graph of one sequence and its batch graphs (the same weights)
             slot_counts = (1, *BATCH_SLOTS)

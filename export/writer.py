@@ -54,17 +54,15 @@ class WeightFiles:
             f.write(data)
         return self.stored[name]
 
-    def has(self, name) -> bool:
-        return name in self.stored
+    def clear(self):
+        """Delete every data file written (the graphs built anew)."""
+        self.drop({s.location for s in self.stored.values()})
 
     def drop(self, locations):
         """Delete these data files and forget what they held (a graph written anew)."""
         for location in locations:
             (self.out / location).unlink(missing_ok=True)
         self.stored = {n: s for n, s in self.stored.items() if s.location not in locations}
-
-    def bytes_written(self) -> int:
-        return sum(s.nbytes for s in self.stored.values())
 
 
 def _external(name, stored: Stored, shape):
