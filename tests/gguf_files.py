@@ -29,7 +29,8 @@ def _permute(w, heads):
 
 
 def make_gguf(checkpoint: Path, path: Path, qtype=gguf.GGMLQuantizationType.Q8_0,
-              arch_name=None) -> Path:
+              arch_name=None, types=None) -> Path:
+    """types: {part of a tensor's name: its type} over qtype (a mix like Q4_K_M's)."""
     config = AutoConfig.from_pretrained(checkpoint)
     model_type = "gemma3" if config.model_type == "gemma3_text" else config.model_type
     arch_name = arch_name or model_type
@@ -59,8 +60,9 @@ def make_gguf(checkpoint: Path, path: Path, qtype=gguf.GGMLQuantizationType.Q8_0
         if model_type == "gemma3" and name.endswith("norm.weight"):
             w = w + 1
         if w.ndim == 2:
-            writer.add_tensor(gguf_name(name, model_type), gguf.quants.quantize(w, qtype),
-                              raw_dtype=qtype)
+            t = next((t for part, t in (types or {}).items() if part in name), qtype)
+            writer.add_tensor(gguf_name(name, model_type), gguf.quants.quantize(w, t),
+                              raw_dtype=t)
         else:
             writer.add_tensor(gguf_name(name, model_type), w.astype(np.float32))
     writer.write_header_to_file()

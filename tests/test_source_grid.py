@@ -5,6 +5,7 @@ import json
 
 import gguf
 import numpy as np
+import onnx
 import pytest
 from gguf import GGMLQuantizationType as T
 from gguf_files import make_gguf
@@ -58,6 +59,16 @@ def test_parts_of_other_types_join_exactly():
                                np.concatenate([q4.dequantized(), q6.dequantized()]), atol=1e-6)
 
 
+def test_parts_of_other_grids_stay_apart():
+    # q and k (4 bits, blocks of 32) keep their grid beside a Q6_K v (8 bits, blocks of 16)
+    q4 = source_weight(*blocks_of(T.Q4_1)[:1], T.Q4_1, (24, 256))
+    q6 = source_weight(k_quant_blocks(T.Q6_K, rows=8, row_blocks=1), T.Q6_K, (8, 256))
+    groups = SourceWeight.grouped([q4, q4, q6])
+    assert [(p.shape, p.bits, p.block) for p in groups] == [((48, 256), 4, 32), ((8, 256), 8, 16)]
+    np.testing.assert_array_equal(np.concatenate([p.dequantized() for p in groups]), np.concatenate(
+        [q4.dequantized(), q4.dequantized(), q6.dequantized()]))
+
+
 def test_residual_columns_keep_each_minimum_within_a_step_of_the_rows_residuals():
     q = source_weight(*blocks_of(T.Q4_1)[:1], T.Q4_1, (24, 256))
     n, k = q.shape
@@ -109,6 +120,21 @@ def test_a_quantized_gguf_exports_with_its_own_weights_by_default(qtype, checkpo
     export_model(str(path), tmp_path / "zp", int4_scheme="zp", exit_layer=1, gptq=False,
                  log=quiet)
     assert error < 0.25 * np.abs(logits(tmp_path / "zp", ids) - want).max()
+
+
+def test_a_layer_mixing_grids_runs_each_at_its_own_bits(checkpoint, tmp_path, monkeypatch):
+    # a Q4_K_M-like mix: v at 8 bits beside 4-bit q and k; the 4-bit parts stay at 4 bits
+    monkeypatch.setattr(edgespec.export.graph, "ACCURACY_LEVEL", 0)
+    path = make_gguf(checkpoint, tmp_path / "m.gguf", T.Q4_1, types={"v_proj": T.Q8_0})
+    export_model(str(path), tmp_path / "fp32", precision="fp32", exit_layer=1, log=quiet)
+    export_model(str(path), tmp_path / "grid", exit_layer=1, log=quiet)
+    lower = onnx.load(tmp_path / "grid" / "lower.onnx", load_external_data=False)
+    bits = [next(a.i for a in n.attribute if a.name == "bits") for n in lower.graph.node
+            if n.op_type == "MatMulNBits" and ".qkv" in n.input[1]]
+    assert sorted(bits) == [4, 8]
+    ids = [int(t) for t in np.random.default_rng(4).integers(5, 300, 20)]
+    want = logits(tmp_path / "fp32", ids)
+    assert np.abs(logits(tmp_path / "grid", ids) - want).max() < 0.05 * np.abs(want).max()
 
 
 def test_the_source_scheme_needs_a_quantized_gguf(checkpoint, tmp_path):
