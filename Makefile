@@ -87,14 +87,14 @@ PROMPTS ?= benchmarks/data/spec_bench_dev.jsonl
 $(QWEN_GGUF): | $(BIN)/edgespec
 	benchmarks/fetch_models.sh qwen1.5b
 
-$(QWEN_DIR)/manifest.json: $(QWEN_GGUF)
+$(QWEN_DIR)/manifest.json: $(QWEN_GGUF) | $(BIN)/edgespec
 	/usr/bin/time -v -o $(QWEN_DIR).time.log $(BIN)/edgespec export $(QWEN_GGUF) -o $(QWEN_DIR)
 	grep -E "Elapsed|Maximum resident" $(QWEN_DIR).time.log
 
 $(QWEN_GENAI)/genai_config.json: $(QWEN_GGUF) | $(PEERS_BIN)/python
 	$(PEERS_BIN)/python benchmarks/peers.py --build-genai $(QWEN_GGUF) --genai $(QWEN_GENAI)
 
-peers-bench-qwen: $(QWEN_DIR)/manifest.json $(QWEN_GENAI)/genai_config.json
+peers-bench-qwen: $(QWEN_DIR)/manifest.json $(QWEN_GENAI)/genai_config.json | $(PEERS_BIN)/python
 	$(PEERS_BIN)/python benchmarks/peers.py $(QWEN_DIR) --genai $(QWEN_GENAI) \
 	  --prompts $(PROMPTS) --per-category 1 --repeat 2 --threads 2 --new-tokens 96 \
 	  --modes spec,plain,genai,genai-ngram,llama --sampling greedy --sampling default \

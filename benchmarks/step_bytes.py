@@ -46,16 +46,15 @@ def table(title, paths):
 
 
 def gguf_bytes(path):
+    """Bytes per GGUF type of the matrices a step reads: the layers' and the head's (the
+    embedding table is a lookup, unless tied: then it is the head)."""
     import gguf
-    reader = gguf.GGUFReader(str(path))
+    tensors = gguf.GGUFReader(str(path)).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
     per_type = collections.Counter()
-    for t in reader.tensors:
-        if len(t.shape) == 2 and t.name != "token_embd.weight" or t.name == "output.weight":
+    for t in tensors:
+        if len(t.shape) == 2 and (tied or t.name != "token_embd.weight"):
             per_type[t.tensor_type.name] += int(t.n_bytes)
-    names = {t.name for t in reader.tensors}
-    if "output.weight" not in names:  # tied: the table is the head
-        table_ = next(t for t in reader.tensors if t.name == "token_embd.weight")
-        per_type[table_.tensor_type.name] += int(table_.n_bytes)
     return per_type
 
 
