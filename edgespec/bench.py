@@ -158,6 +158,7 @@ def run_parallel(model, rows, settings, parallels, repeat=1, progress=sys.stderr
     speculative, the whole set `repeat` times interleaved. Parallel 1 is the single-reply
     path (Model.generate_ids); its replies are the solo runs every batch's replies are
     compared with. {(parallel, mode): run summary}, speeds the medians over the repeats."""
+    model.engine.check_batch(max(parallels))
     model.generate("Hello", max_new_tokens=8)  # warm up sessions and allocators
     prompts = [(prompt_ids(model, row), _seeded(settings, row)) for row in rows]
     parallels = sorted(set(parallels) | {1})

@@ -71,17 +71,73 @@ def gemm_cuts(head_dim) -> list:
             if _k_slices(total, head_dim) != _k_slices(total + 1, head_dim)]
 
 
-def choose_provider(artifact: Artifact, device: str = "auto") -> str:
-    """CUDA when asked, or when automatic and the artifact was built for it and a GPU is there."""
+CUDA = "CUDAExecutionProvider"
+_cuda_problem = ...  # why CUDA cannot run here (None: it can), found once per process
+
+
+def cuda_problem():
+    """None when ONNX Runtime can run a graph on a CUDA GPU here, else why not, in words:
+    onnxruntime-gpu lists its CUDA provider even where the provider cannot load (no GPU, no
+    driver), so a one-node graph is run on it once."""
+    global _cuda_problem
+    if _cuda_problem is ...:
+        _cuda_problem = _probe_cuda()
+    return _cuda_problem
+
+
+def _probe_cuda():
     available = ort.get_available_providers()
+    if CUDA not in available:
+        return f"this onnxruntime has no CUDA provider (it offers {', '.join(available)})"
+    from onnx import TensorProto, helper
+    value = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [value],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    try:
+        open_session(helper.make_model(graph).SerializeToString(), "a probe", CUDA, 1)
+    except EdgespecError as e:
+        return f"onnxruntime-gpu's CUDA provider does not run here ({e})"
+    return None
+
+
+def choose_provider(artifact: Artifact, device: str = "auto") -> str:
+    """The provider an artifact runs on: CUDA for an artifact built for it (device auto or
+    cuda), the CPU for a CPU artifact; device cpu runs either on the CPU. Anything else
+    would run silently slow or not at all, so it is refused in one line."""
     if device not in ("auto", "cpu", "cuda"):
         raise EdgespecError(f"unknown device {device}; use auto, cpu or cuda")
-    if device == "cuda" and "CUDAExecutionProvider" not in available:
-        raise EdgespecError("--device cuda needs onnxruntime-gpu and a CUDA GPU; "
-                            f"this onnxruntime offers {', '.join(available)}")
-    wants_cuda = device == "cuda" or (device == "auto" and artifact.manifest.get("device") == "cuda")
-    return "CUDAExecutionProvider" if wants_cuda and "CUDAExecutionProvider" in available \
-        else "CPUExecutionProvider"
+    built_for = artifact.manifest.get("device", "cpu")
+    if device == "cpu" or (device == "auto" and built_for == "cpu"):
+        return "CPUExecutionProvider"
+    if built_for != "cuda":
+        raise EdgespecError(f"{artifact.path} was exported for the CPU (float32 activations, "
+                            "which CUDA's attention kernels do not take); export it again with "
+                            "--device cuda to run it on the GPU")
+    problem = cuda_problem()
+    if problem:
+        raise EdgespecError(f"{artifact.path} was exported for CUDA, and {problem}; install "
+                            "onnxruntime-gpu on a machine with a CUDA GPU, or load it with "
+                            "device cpu to run its float16 graphs on the CPU (slowly)")
+    return CUDA
+
+
+def open_session(graph, name, provider, threads) -> ort.InferenceSession:
+    """A session of `graph` (a path, or a model's bytes) on `provider` alone: on CUDA, a
+    node without a CUDA kernel is an error, never a silent copy to and from the CPU."""
+    options = _session_options(threads)
+    if provider == CUDA:
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    try:  # enable_fallback=0: no retry on the CPU when the provider fails
+        session = ort.InferenceSession(graph, options, providers=[provider], enable_fallback=0)
+    except Exception as e:  # ORT raises its own types for bad graphs and data
+        if "fallback to CPU EP has been explicitly disabled" in str(e):
+            raise EdgespecError(f"{name} has nodes with no {provider} kernel, which would run "
+                                "on the CPU; export it again with --device cuda (export checks "
+                                "its graphs against CUDA's kernels)") from e
+        raise EdgespecError(f"cannot load {name}: {e}") from e
+    if session.get_providers()[0] != provider:
+        raise EdgespecError(f"{name} runs on {session.get_providers()[0]}, not {provider}")
+    return session
 
 
 _pool_threads = None  # size of the process-wide thread pool, once made
@@ -163,16 +219,12 @@ class Engine:
         """max_context: the positions a sequence holds, at most the artifact's (default)."""
         self.artifact = artifact
         self.provider = choose_provider(artifact, device)
-        self.device = "cuda" if self.provider == "CUDAExecutionProvider" else "cpu"
-        options = _session_options(threads)
-        self.threads = _pool_threads  # what it runs with, whatever `threads` asked
+        self.device = "cuda" if self.provider == CUDA else "cpu"
+        self.threads = set_threads(threads)  # what it runs with, whatever `threads` asked
         self.sessions = {}
         for name in artifact.graphs:
-            try:
-                self.sessions[name] = ort.InferenceSession(str(artifact.graph(name)), options,
-                                                           providers=[self.provider])
-            except Exception as e:  # ORT raises its own types for bad graphs and data
-                raise EdgespecError(f"cannot load {artifact.graph(name)}: {e}") from e
+            path = artifact.graph(name)
+            self.sessions[name] = open_session(str(path), path, self.provider, threads)
         _check_graphs(artifact, self.sessions)
         a = artifact.arch
         self.hidden_size, self.vocab_size = a["hidden_size"], a["vocab_size"]
@@ -471,10 +523,16 @@ class Engine:
         """Logits [len(rows), vocab] for rows of the last `forward`'s final states."""
         return self.head(self._batch.final, rows)
 
+    def check_batch(self, sequences: int):
+        """Refuse, in one line and before any work, to decode several sequences at once off
+        the CPU: the batch graphs' calls are bound to host buffers."""
+        if sequences > 1 and self.device != "cpu":
+            raise EdgespecError(f"decoding {sequences} sequences at once runs on the CPU "
+                                "provider only; on the GPU decode one at a time (parallel 1), "
+                                "or load with device cpu")
+
     def _batch_graphs(self) -> "_BatchGraphs":
-        if self.device != "cpu":
-            raise EdgespecError("decoding several sequences at once runs on the CPU provider "
-                                "only; use --device cpu")
+        self.check_batch(max(BATCH_SLOTS))
         if self._batch is None:
             self._batch = _BatchGraphs(self)
         return self._batch
@@ -535,11 +593,7 @@ class _BatchGraphs:
         key = (graph, slots)
         if key not in self.sessions:
             path = self.artifact.batch_graph(graph, slots)
-            try:
-                self.sessions[key] = ort.InferenceSession(
-                    str(path), _session_options(engine._threads), providers=[self.provider])
-            except Exception as e:  # ORT raises its own types for bad graphs and data
-                raise EdgespecError(f"cannot load {path}: {e}") from e
+            self.sessions[key] = open_session(str(path), path, self.provider, engine._threads)
         return self.sessions[key]
 
     def call(self, engine, graph, slots, rows) -> "_BatchCall":
@@ -598,7 +652,9 @@ def batch_round_costs(engine: Engine, cached=200, repeat=9) -> dict:
     """Median ms of one round of a batch: {slots: {rows: ms}}, each of `slots` sequences
     verifying rows // slots rows after `cached` positions (lower, upper and head on them).
     Each batch size's graphs are loaded, measured and let go in turn: every pair holds its
-    own copy of the layers' weights."""
+    own copy of the layers' weights. Empty off the CPU, where batches do not run."""
+    if engine.device != "cpu":
+        return {}
     cached = min(cached, engine.max_context // 2)
     positions = cached + max(BATCH_ROWS)  # what the measurement needs, not the context
     sequences = [engine.new_sequence(positions) for _ in range(max(BATCH_SLOTS))]
@@ -638,7 +694,7 @@ def check_context(wanted, most: int) -> int:
 def measured_costs(engine: Engine, repeat: int = 9, unload_single=False, seconds=None) -> dict:
     """What a round through lower, upper and head costs on this machine by rows, in plain
     steps, for one sequence (lookup plans its drafts on it) and for batches of sequences
-    (the batch planner's), and at how many threads: the manifest's fields. Medians of
+    (the batch planner's, on the CPU only), and at how many threads: the manifest's fields. Medians of
     `repeat` rounds (a single sequence's of more: its rounds are shorter); seconds: about
     the most to spend, fewer repeats where a step is slow (a large model). unload_single:
     an engine used for nothing else lets its own lower and upper go before the batch
@@ -647,7 +703,7 @@ def measured_costs(engine: Engine, repeat: int = 9, unload_single=False, seconds
         step = engine.round_costs(repeat=3, rows=(1,))[1] / 1e3
         repeat = max(1, min(repeat, int(seconds / (COSTS_STEPS * step))))
     ms = engine.round_costs(repeat=max(1, repeat * 5 // 3))
-    if unload_single:
+    if unload_single and engine.device == "cpu":
         engine.unload(("lower", "upper"))
     batches = batch_round_costs(engine, repeat=repeat)
     return {"round_costs": {str(rows): round(cost / ms[1], 3) for rows, cost in ms.items()},

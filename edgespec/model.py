@@ -215,6 +215,7 @@ class Model:
         reply it gets alone: add token ids with their Settings (`settings(...)`), then
         iterate `run()` for (member, Piece) pairs; each Member's `result` is its Generation.
         Its KV caches (engine.sequence_bytes each) are allocated now."""
+        self.engine.check_batch(parallel)
         return Batch(self, parallel)
 
     def generate_many(self, prompts: list, parallel: int = 4, raw: bool = False,

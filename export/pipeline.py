@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 from edgespec import __version__
-from edgespec.engine import return_freed_memory, set_threads
+from edgespec.engine import cuda_problem, return_freed_memory, set_threads
 from edgespec.errors import EdgespecError
 
 from edgespec.artifact import BATCH_SLOTS, DRAFT_VOCAB
@@ -114,16 +113,19 @@ def export_model(model=None, out=None, exit_layer=None, precision="auto", max_co
                  int4_scheme, log)
     memory.check_fits(memory.estimate(source, plan.precision, int4_scheme, plan.max_context),
                       max_memory, log)
+    runs_here = _runs_here(plan, shortlist, log)
     with _staged(plan.out) as partial:
         artifact = _build(source, plan, partial, int4_scheme,
                           8 if plan.precision == "int8" else head_bits, gptq, log)
-        if plan.adapter is None and shortlist is None and not calibrate and not plan.auto:
+        if not runs_here or (plan.adapter is None and shortlist is None and not calibrate
+                             and not plan.auto):
             artifact.write(plan.exit_layer, ADAPTIVE)
         else:
             calibrate_draft(artifact, plan.exit_layer, plan.auto, plan.adapter, shortlist,
                             calibrate, adapter_minutes, calibration_minutes, save_adapter, log)
         artifact.release()
-        _measure(artifact, source, partial, plan, log)
+        if runs_here:
+            _measure(artifact, source, partial, plan, log)
         manifest = artifact.finish(time.perf_counter() - start)
     _summary(plan.out, manifest, time.perf_counter() - start, log)
     return manifest
@@ -226,13 +228,35 @@ def _build(source, plan, partial, int4_scheme, head_bits, gptq, log) -> "Artifac
     })
 
 
+def _runs_here(plan, shortlist, log) -> bool:
+    """Whether the artifact can run on this machine's device, so that export measures it
+    there. When not (a CUDA export without CUDA), what only running it chooses keeps its
+    default, and what only running it can make is refused before anything is built."""
+    problem = cuda_problem() if plan.device == "cuda" else None
+    if not problem:
+        return True
+    asked = [flag for flag, given in (("--adapter", plan.adapter not in (None, "auto")),
+                                      ("--shortlist", shortlist not in (None, "auto"))) if given]
+    if asked:
+        raise EdgespecError(f"{' and '.join(asked)} run the artifact to make its draft, and "
+                            f"{problem}: export on the machine with the GPU, or drop them")
+    log(f"{problem}: calibration, the round costs and the quality and fidelity gates run the "
+        f"artifact on its device, so they are skipped (exit layer {plan.exit_layer}, the "
+        "adaptive draft policy); export on the machine with the GPU to measure them")
+    plan.auto, plan.adapter = False, None
+    return False
+
+
 def _measure(artifact, source, partial, plan, log):
-    """Round costs by rows on this machine, and the quality and fidelity gates, into the
-    manifest's fields."""
-    if plan.device == "cpu" or "CUDAExecutionProvider" in ort.get_available_providers():
-        log("measuring what verifying more rows at once costs here ...")
-        artifact.fields.update(round_costs(partial))
-        return_freed_memory()  # each phase's sessions and passes, before the next's
+    """Round costs by rows on the artifact's device, and the quality and fidelity gates,
+    into the manifest's fields."""
+    log("measuring what verifying more rows at once costs here ...")
+    costs = round_costs(partial)
+    if plan.device != "cpu":
+        log("batch round costs: several sequences at once decode on the CPU provider only; "
+            "not measured")
+    artifact.fields.update(costs)
+    return_freed_memory()  # each phase's sessions and passes, before the next's
     log("measuring quality against the full-precision model ...")
     artifact.fields["quality"] = quality.measure(source, partial, plan.max_context)
     return_freed_memory()
@@ -333,7 +357,7 @@ def _summary(out, manifest, seconds, log):
                       ("lower.data", "upper.data", "head.data") if name in files)
     shared = " (head reads the tied embedding table stored in lower.data)" \
         if arch["tie_word_embeddings"] else ""
-    draft, graph, q = manifest["draft"], manifest.get("draft_graph", {}), manifest["quality"]
+    draft, graph, q = manifest["draft"], manifest.get("draft_graph", {}), manifest.get("quality")
     f = manifest.get("fidelity")
     drafter = "exit adapter" if graph.get("adapter") else "raw exit"
     speed = [r["speedup"] for r in draft.get("calibration", {}).get("policies", [])]
@@ -349,8 +373,9 @@ def _summary(out, manifest, seconds, log):
         + (f"  a round of M rows costs (plain steps, {manifest['threads']} threads): " + ", ".join(
             f"{rows}: {cost:.2f}" for rows, cost in manifest["round_costs"].items()) + "\n"
            if "round_costs" in manifest else "") +
-        f"  quality on a fixed {q['tokens']}-token text: top-1 agreement {q['top1_agreement']:.3f} "
-        f"with the full-precision model, perplexity {q['perplexity']:.2f} "
-        f"(full precision {q['reference_perplexity']:.2f})\n"
+        (f"  quality on a fixed {q['tokens']}-token text: top-1 agreement "
+         f"{q['top1_agreement']:.3f} with the full-precision model, perplexity "
+         f"{q['perplexity']:.2f} (full precision {q['reference_perplexity']:.2f})\n" if q else
+         "  quality and fidelity: not measured (the artifact's device is not here)\n")
         + _fidelity_line(f) +
         f"  total {sum(f['bytes'] for f in files.values()) / 1e6:.1f} MB in {seconds:.0f} s")

@@ -50,9 +50,7 @@ def fits(places: int, sequence_bytes: int, available) -> bool:
 def check_places(places: int, engine, available):
     """Refuse (one line) places whose caches at the engine's context do not fit in
     `available` bytes, naming what would fit."""
-    if places > 1 and engine.device != "cpu":
-        raise EdgespecError(f"--parallel {places} decodes on the CPU provider only; serve "
-                            "with --device cpu, or --parallel 1 on the GPU")
+    engine.check_batch(places)
     if fits(places, engine.sequence_bytes, available):
         return
     context, each = engine.max_context, engine.sequence_bytes
