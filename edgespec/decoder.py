@@ -122,10 +122,15 @@ class Decoder:
         self.stats.record(offer and offer.drafter.name, drafted, len(committed) - 1)
 
     def verify(self, n_drafts, timer):
-        """Verifier logits after the round's first token and after each draft (n + 1 rows)."""
-        self.engine.upper(n_drafts + 1)
+        """Verifier logits after the round's first token and after each draft (n + 1 rows),
+        or the few largest that decide the token where the head computes them."""
+        engine, rows, k = self.engine, range(n_drafts + 1), self.sampler.top_needed
+        engine.upper(n_drafts + 1)
         timer.charge("verify")
-        logits = self.engine.head(self.engine.final_states, range(n_drafts + 1))
+        if k and engine.computes_top(k):
+            logits = engine.head_top(engine.final_states, rows, k)
+        else:
+            logits = engine.head(engine.final_states, rows)
         timer.charge("head")
         return logits
 

@@ -13,9 +13,8 @@ every draft (up to the policy's k) and drops to one more than the drafts accepte
 round that did not. Its record lives with the loaded model, so an exit that keeps losing
 stays paused across replies (its worth is the model's, not the text's).
 """
-import numpy as np
-
 from .drafter import Drafter, Offer, average
+from .sampling import top_probability
 
 TRIAL_ROUNDS = 4     # rounds it gets before it is judged
 FIRST_PAUSE = 16     # tokens decoded without it after it first loses
@@ -66,16 +65,23 @@ class EarlyExit(Drafter):
         engine.lower([history[-1]])
         timer.charge("draft")
         while len(drafts) < offer.k:
-            logits = engine.draft_head()
+            d, p = self._propose(sampler, history, drafts)
             timer.charge("head")
-            if self.threshold and _top_probability(logits) < self.threshold:
+            if self.threshold and p < self.threshold:
                 break
-            d = sampler(logits, history, drafts)
             drafts.append(d)
-            timer.charge("sampling")
             engine.lower([d])
             timer.charge("draft")
         return drafts
+
+    def _propose(self, sampler, history, drafts) -> tuple:
+        """The next draft, and the draft head's top probability when a threshold reads it."""
+        k = sampler.top_needed
+        if k and self.engine.computes_top(k, draft=True):  # the few that decide, from a GPU
+            top, p = self.engine.draft_top(k, probability=self.threshold > 0)
+            return sampler(top, history, drafts), p
+        logits = self.engine.draft_head()
+        return sampler(logits, history, drafts), self.threshold and top_probability(logits)
 
     def observe(self, offer, drafted, accepted, seconds):
         """A round the threshold cut to no draft still paid for the draft head: it counts
@@ -95,8 +101,3 @@ class EarlyExit(Drafter):
             self._restart()
         else:
             self.pause = FIRST_PAUSE
-
-
-def _top_probability(logits) -> float:
-    z = logits - logits.max()
-    return float(1.0 / np.exp(z, dtype=np.float64).sum())

@@ -42,6 +42,7 @@ from onnxruntime.capi import _pybind_state as ort_state
 
 from .artifact import BATCH_SLOTS, MANIFEST, PAD_ROWS, Artifact
 from .errors import EdgespecError
+from .sampling import ranked, row_top
 
 CHUNK = 256  # the most positions one call handles (prefill is cut into chunks)
 COST_ROWS = (1, 2, 3, 4, 6, 8, 16, 32)  # the rows of a round whose cost round_costs measures
@@ -177,6 +178,7 @@ class _Call:
 
     def __init__(self, session, binding, host):
         self.session, self.binding, self.host = session, binding, host
+        self.logits = None  # a head's logits output, where it is bound (_bind_logits)
         self.rows_out = None  # upper: the final_states row its output is bound at
 
     def run(self):
@@ -236,6 +238,7 @@ class Engine:
         # a sequence's KV buffers: every layer's of lower, upper and the draft graph
         self.kv_names = [name for s in self.sessions if s != "head" for name in self._past_names(s)]
         self._calls = {}
+        self.host_bytes = 0  # what the host has read of the heads' outputs (from a GPU: copied)
         self._threads = threads
         self._batch = None  # the batch graphs' sessions and buffers, made when first used
         self.seq = self.new_sequence()  # the sequence the single-sequence methods run on
@@ -321,18 +324,16 @@ class Engine:
         host = {"seqlens_k": np.zeros([1], np.int32), "total_seq_len": np.zeros([], np.int32)}
         if graph == "lower":
             host["input_ids"] = np.zeros([1, count], np.int64)
-        elif graph == "draft":
-            host["logits"] = np.zeros([1, 1, len(self.draft_vocab)], self.dtype)
         inputs = {i.name for i in session.get_inputs()}  # a raw-exit draft has no lengths
         for name, array in host.items():
-            if name == "logits":
-                binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
-            elif name in inputs:
+            if name in inputs:
                 binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
         for past in self._past_names(graph):
             binding.bind_ortvalue_input(past, self.kv[past])
             binding.bind_ortvalue_output(past.replace("past_", "present_"), self.kv[past])
         call = _Call(session, binding, host)
+        if graph == "draft":
+            self._bind_logits(call, 1, len(self.draft_vocab))
         if count <= 16:  # decode and verify shapes recur; long prefill chunks do not
             self._calls[(graph, count)] = call
         return call
@@ -344,15 +345,71 @@ class Engine:
             return call
         session = self.sessions["head"]
         binding = session.io_binding()
-        host = {"rows": np.arange(rows, dtype=np.int64),
-                "logits": np.zeros([1, rows, self.vocab_size], self.dtype)}
+        host = {"rows": np.arange(rows, dtype=np.int64)}
         self._bind_rows(binding.bind_input, "hidden", states, 0, states.shape()[1])
         binding.bind_ortvalue_input("rows", ort.OrtValue.ortvalue_from_numpy(host["rows"]))
-        binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(host["logits"]))
         call = _Call(session, binding, host)
+        self._bind_logits(call, rows, self.vocab_size)
         if rows <= 64:
             self._calls[key] = call
         return call
+
+    def _bind_logits(self, call, rows, vocab):
+        """Bind a head's outputs: the logits on the device (the host reads them in `_logits`,
+        a copy from a GPU) and its top_outputs, where the graph has them, on the host."""
+        shape = [1, rows, vocab]
+        if self.device == "cpu":
+            call.host["logits"] = np.zeros(shape, self.dtype)
+            call.logits = ort.OrtValue.ortvalue_from_numpy(call.host["logits"])
+        else:
+            call.logits = ort.OrtValue.ortvalue_from_shape_and_type(shape, self.dtype,
+                                                                    self.device, 0)
+        call.binding.bind_ortvalue_output("logits", call.logits)
+        if _has_top(call.session):
+            call.host["top1_probability"] = np.zeros([1, rows], np.float32)
+            call.binding.bind_ortvalue_output("top1_probability", ort.OrtValue.ortvalue_from_numpy(
+                call.host["top1_probability"]))
+            self._bind_top(call, rows, 1)
+
+    def _bind_top(self, call, rows, k):
+        """Bind the graph's top_k input and its top outputs for k candidates a row."""
+        call.host["top_k"] = np.array([k], np.int64)
+        call.binding.bind_ortvalue_input("top_k", ort.OrtValue.ortvalue_from_numpy(
+            call.host["top_k"]))
+        for name, dtype in (("top_values", np.float32), ("top_ids", np.int64)):
+            call.host[name] = np.zeros([1, rows, k], dtype)
+            call.binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(
+                call.host[name]))
+
+    def _logits(self, call) -> np.ndarray:
+        """A head call's logits on the host [1, rows, vocab]."""
+        logits = call.host["logits"] if self.device == "cpu" else call.logits.numpy()
+        self.host_bytes += logits.nbytes
+        return logits
+
+    def _top(self, call, name) -> np.ndarray:
+        """A head call's top output on the host ([1, rows] or [1, rows, k])."""
+        self.host_bytes += call.host[name].nbytes
+        return call.host[name]
+
+    def computes_top(self, k: int, draft: bool = False) -> bool:
+        """Whether the head (the draft head) gives a row's k largest logits and the tie
+        after them on the device: a CUDA artifact's graphs do, for k below the vocabulary."""
+        session = self.sessions["draft" if draft and "draft" in self.sessions else "head"]
+        vocab = len(self.draft_vocab) if draft and "draft" in self.sessions else self.vocab_size
+        return _has_top(session) and k < vocab
+
+    def _ranked_rows(self, call, k, rows) -> list:
+        """ranked() of each row's k largest logits with the ties of the k-th, from the
+        graph's k + 1 largest; a row whose ties run past them reads its whole row."""
+        values, ids = self._top(call, "top_values")[0], self._top(call, "top_ids")[0]
+        out = []
+        for row in range(rows):
+            if values[row, k] < values[row, k - 1]:
+                out.append(ranked(values[row, :k], ids[row, :k]))
+            else:
+                out.append(row_top(self._logits(call)[0, row].astype(np.float32), k))
+        return out
 
     # -- the three graphs ------------------------------------------------------------------
 
@@ -409,32 +466,60 @@ class Engine:
     def head(self, states: ort.OrtValue, rows):
         """Logits [len(rows), vocab] (a host array, reused by the next call) for rows of
         `states`: positions of exit_states (draft) or rows of final_states (verifier)."""
+        return self._logits(self._run_head(states, rows))[0]
+
+    def head_top(self, states: ort.OrtValue, rows, k: int) -> list:
+        """For each of the rows (where computes_top(k)), ranked() of its k largest logits
+        and every tie of the k-th: only those cross from a GPU, not the logits."""
+        return self._ranked_rows(self._run_head(states, rows, k + 1), k, len(list(rows)))
+
+    def _run_head(self, states, rows, top=1) -> _Call:
+        """Run the head on `rows` of `states`, its TopK (if any) giving `top` a row."""
         rows = list(rows)
         call = self._head_call(states, len(rows))
         call.host["rows"][:] = rows
+        if "top_k" in call.host and call.host["top_k"][0] != top:
+            self._bind_top(call, len(rows), top)
         call.run()
         if self.device != "cpu":
             call.binding.synchronize_outputs()
-        return call.host["logits"][0]
+        return call
 
     def draft_head(self):
         """Draft logits [vocab] for the newest position lower ran: the draft graph (exit
         adapter, shortlisted head; -inf outside the shortlist) or the shared head on its
         exit state. The adapter first catches up on positions it has not seen."""
+        call = self._run_draft()
+        if "draft" not in self.sessions:
+            return self._logits(call)[0, 0]
+        self._draft_logits[self.draft_vocab] = self._logits(call)[0, 0]
+        return self._draft_logits
+
+    def draft_top(self, k: int, probability: bool) -> tuple:
+        """(ranked() top k of draft_head's logits with the ties of the k-th, the top token's
+        probability if asked, else None), where computes_top(k, draft=True)."""
+        call = self._run_draft(k + 1)
+        top = self._ranked_rows(call, k, 1)[0]
+        if "draft" in self.sessions:  # the shortlist's ids, ascending: the order holds
+            top = [(value, int(self.draft_vocab[i])) for value, i in top]
+        return top, float(self._top(call, "top1_probability")[0, 0]) if probability else None
+
+    def _run_draft(self, top=1) -> _Call:
         newest = self.lower_len - 1
         if "draft" not in self.sessions:
-            return self.head(self.exit_states, [newest])[0]
+            return self._run_head(self.exit_states, [newest], top)
         start = min(self.draft_len, newest) if self._past_names("draft") else newest
         for first, count in self._pieces(start, newest + 1 - start):
             call = self._layer_call("draft", count)
             self._bind_rows(call.binding.bind_input, "exit_hidden", self.exit_states, first, count)
             self._set_lengths(call, first, count)
+            if "top_k" in call.host and call.host["top_k"][0] != top:
+                self._bind_top(call, 1, top)
             call.run()
         self.draft_len = self.lower_len
         if self.device != "cpu":
             call.binding.synchronize_outputs()
-        self._draft_logits[self.draft_vocab] = call.host["logits"][0, 0]
-        return self._draft_logits
+        return call
 
     # -- prefill and one plain step ----------------------------------------------------------
 
@@ -711,6 +796,11 @@ def measured_costs(engine: Engine, repeat: int = 9, unload_single=False, seconds
                                                for rows, cost in by_rows.items()}
                                   for slots, by_rows in batches.items()},
             "threads": engine.threads}
+
+
+def _has_top(session) -> bool:
+    """Whether a head graph has top_outputs (export/graph.py): CUDA artifacts' do."""
+    return any(i.name == "top_k" for i in session.get_inputs())
 
 
 def return_freed_memory():

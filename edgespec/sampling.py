@@ -207,9 +207,26 @@ class Sampler:
         self.spread = 8.0  # how far below the max near_top looks first (adapts; never
         # changes the result, only how many tokens the exact selection reads)
 
-    def __call__(self, logits: np.ndarray, history, pending=()) -> int:
-        """pending: tokens after `history` not committed yet (a round's drafts)."""
+    @property
+    def top_needed(self):
+        """How many of a position's largest logits (with the ties of the last) decide its
+        token: 1 when greedy, top-k when sampling with it; None when a penalty or a filter
+        reads the whole row."""
         params = self.params
+        if params.penalized:
+            return None
+        return 1 if params.greedy else params.top_k or None
+
+    def __call__(self, logits, history, pending=()) -> int:
+        """logits: a position's, or (when top_needed) its ranked() top of that many, as the
+        head computes them on a GPU. pending: tokens after `history` not committed yet (a
+        round's drafts)."""
+        params = self.params
+        if isinstance(logits, list):
+            if params.greedy:
+                return logits[0][1]
+            return self._top_k_candidates(logits).draw(
+                uniform(self.seed, len(history) + len(pending)))
         z = logits if logits.dtype == np.float32 else logits.astype(np.float32)
         if not params.penalized and params.greedy:
             return int(np.argmax(z))
@@ -376,6 +393,25 @@ def _min_p_size(weights, n: int, min_p: float) -> int:
     """How many of the first n falling weights min-p keeps (the likeliest weighs 1); tokens
     at -inf (outside a draft's shortlist) never draw, so one search cuts both."""
     return bisect_right(weights, -max(min_p, SMALLEST), 0, n, key=lambda w: -w)
+
+
+def ranked(values: np.ndarray, ids: np.ndarray) -> list:
+    """[(-logit, id)], the largest first, ties by id: Sampler.ranked_top's order."""
+    order = np.lexsort((ids, -values))
+    return list(zip((-values[order]).tolist(), ids[order].tolist()))
+
+
+def row_top(z: np.ndarray, k: int) -> list:
+    """ranked() of a row's k largest logits and every tie of the k-th."""
+    kth = np.partition(z, z.size - k)[z.size - k]
+    ids = np.flatnonzero(z >= kth)
+    return ranked(z[ids], ids)
+
+
+def top_probability(logits) -> float:
+    """The probability of the likeliest token (temperature 1, no filter)."""
+    z = logits - logits.max()
+    return float(1.0 / np.exp(z, dtype=np.float64).sum())
 
 
 def distribution(logits: np.ndarray, history, params: SamplingParams) -> np.ndarray:

@@ -32,8 +32,12 @@ class TextCodec:
             spec = path.read_text()
             self.tokenizer = Tokenizer.from_str(spec)
             # instances of their own, so that threads never toggle a shared flag
-            self.text_tokenizer = _text_tokenizer(spec, after_special=False)
-            self.text_after_special = _text_tokenizer(spec, after_special=True)
+            self.text_tokenizer = _text_tokenizer(spec)
+            # its own only where its pre-tokenizer differs (a large vocabulary's tokenizer
+            # takes tens of megabytes)
+            after = _after_special(spec)
+            self.text_after_special = self.text_tokenizer if after == spec else \
+                _text_tokenizer(after)
         config = _read_config(artifact_dir / "tokenizer_config.json")
         self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
         self.special_tokens = _special_tokens(self.tokenizer, self.special.values())
@@ -165,25 +169,31 @@ def _check_bits(bits, operator):
             f"at most {TEMPLATE_INT_BITS}")
 
 
-def _text_tokenizer(spec: str, after_special: bool) -> Tokenizer:
-    """A tokenizer that reads special-token text as text. after_special: for text that
-    follows a special token, which is not at the start of the input: a Metaspace
-    pre-tokenizer that adds its prefix space only there ("first") adds none."""
-    if after_special:
-        spec = json.loads(spec)
-        _never_prepend(spec.get("pre_tokenizer"))
-        spec = json.dumps(spec)
+def _text_tokenizer(spec: str) -> Tokenizer:
+    """A tokenizer that reads special-token text as text."""
     tokenizer = Tokenizer.from_str(spec)
     tokenizer.encode_special_tokens = True
     return tokenizer
 
 
-def _never_prepend(part):
+def _after_special(spec: str) -> str:
+    """The tokenizer spec for text that follows a special token, which is not at the start
+    of the input: a Metaspace pre-tokenizer that adds its prefix space only there ("first")
+    adds none. The spec itself where nothing changes."""
+    parsed = json.loads(spec)
+    return json.dumps(parsed) if _never_prepend(parsed.get("pre_tokenizer")) else spec
+
+
+def _never_prepend(part) -> bool:
+    """Turn "first" Metaspace prefixes in `part` to "never"; whether there was one."""
+    changed = False
     if isinstance(part, dict):
         if part.get("type") == "Metaspace" and part.get("prepend_scheme") == "first":
             part["prepend_scheme"] = "never"
+            changed = True
         for inner in part.get("pretokenizers", []):
-            _never_prepend(inner)
+            changed |= _never_prepend(inner)
+    return changed
 
 
 class _Special(NamedTuple):

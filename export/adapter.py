@@ -75,7 +75,8 @@ def _generate(art, prompts, todo, sequences, files, max_new_tokens, top_k):
     from edgespec.engine import Engine
     from edgespec.tokenizer import TextCodec
 
-    engine = Engine(art)
+    from .calibrate import short_context
+    engine = Engine(art, max_context=short_context(art.path))
     codec = TextCodec.for_artifact(art)
     eos = set(art.eos_token_ids)
     with progress(len(todo) * max_new_tokens, "collecting generations", unit="tok") as bar:

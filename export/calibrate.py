@@ -70,14 +70,14 @@ def shortlist_sizes(counts) -> list:
 
 
 def fitting(artifact_dir, prompts, new_tokens) -> list:
-    """The prompts that leave room for `new_tokens` in the artifact's context."""
+    """The prompts that leave room for `new_tokens` in the context calibration runs at."""
     from edgespec.artifact import open_artifact
     from edgespec.tokenizer import TextCodec
 
-    art = open_artifact(artifact_dir, verify=False)
-    codec = TextCodec.for_artifact(art)
+    codec, context = TextCodec.for_artifact(open_artifact(artifact_dir, verify=False)), \
+        short_context(artifact_dir)
     return [p for p in prompts if len(codec.encode_chat([{"role": "user", "content": p}]))
-            + new_tokens < art.max_context]
+            + new_tokens < context]
 
 
 def with_exit_states(artifact_dir, sequences) -> list:
@@ -85,7 +85,8 @@ def with_exit_states(artifact_dir, sequences) -> list:
     from edgespec.artifact import open_artifact
     from edgespec.engine import Engine
 
-    engine = Engine(open_artifact(artifact_dir, verify=False))
+    engine = Engine(open_artifact(artifact_dir, verify=False),
+                    max_context=short_context(artifact_dir))
     moved = []
     for s in sequences:
         engine.reset()
@@ -100,7 +101,7 @@ def measure(artifact_dir, policies: list, prompts: list, log=print) -> list:
     speculative / plain tokens per second, tokens per round, and whether output matched."""
     import edgespec
 
-    model = edgespec.load(artifact_dir, verify=False)
+    model = edgespec.load(artifact_dir, verify=False, max_context=short_context(artifact_dir))
     ratios = [[] for _ in policies]
     rounds = [[0, 0] for _ in policies]
     identical = [True] * len(policies)
@@ -138,8 +139,9 @@ def round_costs(artifact_dir) -> dict:
 
 
 def short_context(artifact_dir) -> int:
-    """The context of an engine that measures short runs: a sequence's buffers are sized by
-    its context (an 8B model's take a gigabyte at 4096 positions)."""
+    """The context calibration and the gates run at (their prompts and replies are short):
+    a sequence's buffers are sized by its context (an 8B model's take a gigabyte at 4096
+    positions)."""
     from edgespec.artifact import open_artifact
     return min(SHORT_CONTEXT, open_artifact(artifact_dir, verify=False).max_context)
 

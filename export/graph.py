@@ -525,10 +525,26 @@ def _side_by_side(blocks, name, slot_counts, dtype, files, stream, first, last, 
     return graphs
 
 
+def top_outputs(g, logits, rows):
+    """Outputs beside the logits, computed where the graph runs: each row's `top_k` largest
+    logits (input [1]) as float32 with their ids, and its likeliest token's probability.
+    CUDA artifacts have them, so that a round copies a few candidates per row to the host,
+    not the rows' logits."""
+    z = g.op("Cast", [logits], to=TensorProto.FLOAT)
+    k = g.input("top_k", np.int64, [1])
+    values, ids = g.op("TopK", [z, k], n_out=2, axis=-1, largest=1, sorted=1)
+    g.output(values, "top_values", np.float32, [1, rows, "k"])
+    g.output(ids, "top_ids", np.int64, [1, rows, "k"])
+    last = g.weight("axis_minus_1", np.array([-1]))
+    best = g.op("ReduceMax", [z, last], keepdims=1)
+    total = g.op("ReduceSum", [g.op("Exp", [g.op("Sub", [z, best])]), last], keepdims=0)
+    g.output(g.op("Reciprocal", [total]), "top1_probability", np.float32, [1, rows])
+
+
 def build_draft(blocks: Blocks, adapter: bool, vocab, dtype, files=None) -> Graph:
     """Draft logits for the last of the given exit states: through the exit adapter (stored
     in `blocks` as decoder layer N, with its own KV cache) when there is one, then the
-    final norm and the lm_head rows of `vocab` (None: all)."""
+    final norm and the lm_head rows of `vocab` (None: all); on CUDA its top_outputs too."""
     g = Graph("draft", dtype, files)
     hidden = g.input("exit_hidden", dtype, [1, "seq", blocks.arch.hidden_size])
     if adapter:
@@ -538,15 +554,25 @@ def build_draft(blocks: Blocks, adapter: bool, vocab, dtype, files=None) -> Grap
     logits = blocks.lm_head(g, blocks.rms_norm(g, last, "model.norm"), vocab)
     size = blocks.arch.vocab_size if vocab is None else len(vocab)
     g.output(logits, "logits", g.dtype, [1, 1, size])
+    if on_device(dtype):
+        top_outputs(g, logits, 1)
     return g
 
 
 def build_head(blocks: Blocks, dtype, files=None) -> Graph:
-    """Logits for the chosen rows of a hidden sequence (prefill needs only the last)."""
+    """Logits for the chosen rows of a hidden sequence (prefill needs only the last); on
+    CUDA their top_outputs too."""
     g = Graph("head", dtype, files)
     hidden = g.input("hidden", dtype, [1, "seq", blocks.arch.hidden_size])
     rows = g.input("rows", np.int64, ["rows"])
     picked = g.op("Gather", [hidden, rows], axis=1)
     logits = blocks.lm_head(g, blocks.rms_norm(g, picked, "model.norm"))
     g.output(logits, "logits", g.dtype, [1, "rows", blocks.arch.vocab_size])
+    if on_device(dtype):
+        top_outputs(g, logits, "rows")
     return g
+
+
+def on_device(dtype) -> bool:
+    """Whether graphs of these activations are for a GPU (CUDA artifacts are float16)."""
+    return np.dtype(dtype) != np.float32

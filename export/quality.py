@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 QUALITY_TEXT = Path(__file__).parent / "data" / "quality.txt"
-ROWS = 64  # logits rows scored at a time
+ROWS = 16  # logits rows scored at a time (float64 copies of them: 20 MB for Qwen2.5's)
 
 
 def passage_ids(tokenizer) -> list:
@@ -44,20 +44,24 @@ def scores(logits, ids) -> tuple:
 
 
 def artifact_scores(path, ids) -> tuple:
-    """scores() of an exported artifact, prefill in chunks: a chunk's logits at a time, never
-    the passage's (with a large vocabulary those take gigabytes)."""
-    from edgespec.engine import CHUNK
-    from edgespec.model import load
-    engine = load(path, verify=False, max_context=max(2, len(ids))).engine  # buffers: no more
+    """scores() of an exported artifact, prefill in chunks and the head on ROWS rows at a
+    time: never a chunk's logits, let alone the passage's (with a large vocabulary those
+    take gigabytes)."""
+    from edgespec.artifact import open_artifact
+    from edgespec.engine import CHUNK, Engine
+    # the engine alone (no tokenizer), its buffers no longer than the passage
+    engine = Engine(open_artifact(path, verify=False), max_context=max(2, len(ids)))
     top1, nll = [], []
     for start in range(0, len(ids), CHUNK):
         chunk = ids[start:start + CHUNK]
         engine.lower(np.asarray(chunk, np.int64))
         engine.upper(len(chunk))
-        logits = engine.head(engine.final_states, range(len(chunk)))
-        chunk_top1, chunk_nll = scores(logits, ids[start:start + CHUNK + 1])
-        top1.append(chunk_top1)
-        nll.append(chunk_nll)
+        for first in range(0, len(chunk), ROWS):  # a few rows' logits at a time, not a chunk's
+            rows = range(first, min(first + ROWS, len(chunk)))
+            logits = engine.head(engine.final_states, rows)
+            row_top1, row_nll = scores(logits, ids[start + first:start + rows.stop + 1])
+            top1.append(row_top1)
+            nll.append(row_nll)
     return np.concatenate(top1), np.concatenate(nll)
 
 

@@ -1,11 +1,11 @@
-"""The source model in float32 for export's gates, one decoder layer in memory at a time.
+"""The source model in float32 for export's gates, one weight in memory at a time.
 
 The quality and fidelity gates and GPTQ's calibration pass run the model the user brought
 at full precision. `Reference` is transformers' base model of the architecture (decoder
-layers and final norm): each layer reads its weights from the source just before it runs
-and drops them after. The vocabulary table never enters it: a batch's embeddings are the
+layers and final norm): each linear layer and norm reads its weights from the source just
+before it runs and drops them after, and an MLP runs MLP_ROWS positions at a time. The vocabulary table never enters it: a batch's embeddings are the
 table rows of its ids alone, and `scores` applies the lm_head a slice of rows at a time,
-keeping per row a running top-1 and log-sum-exp. A pass holds one layer and one slice of
+keeping per row a running top-1 and log-sum-exp. A pass holds one weight and one slice of
 the table in float32, never the model and never a [rows, vocab] array.
 """
 import numpy as np
@@ -13,6 +13,7 @@ from edgespec.engine import return_freed_memory
 
 EMBEDDING, HEAD, NORM = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
 VOCAB_SLICE = 4096  # lm_head rows dequantized and multiplied at a time
+MLP_ROWS = 512  # positions through an MLP at a time
 
 
 class Reference:
@@ -31,10 +32,15 @@ class Reference:
             self.model = AutoModel.from_config(config, dtype=torch.float32).eval()
         self.model.norm.weight.data = torch.from_numpy(weights[NORM])
         for i, layer in enumerate(self.model.layers):
-            drop_layer(layer)
-            layer.register_forward_pre_hook(
-                lambda module, args, i=i: load_layer(module, i, weights))
-            layer.register_forward_hook(lambda module, args, out: drop_layer(module))
+            for name, part in layer.named_modules():
+                if next(part.parameters(recurse=False), None) is None:
+                    continue
+                drop_weights(part)
+                prefix = f"model.layers.{i}.{name}."
+                part.register_forward_pre_hook(
+                    lambda module, args, prefix=prefix: load_weights(module, prefix, weights))
+                part.register_forward_hook(lambda module, args, out: drop_weights(module))
+            layer.mlp.forward = by_rows(layer.mlp.forward)
 
     def hidden(self, sequences) -> list:
         """[len, hidden] float32 final-norm states of each token-id list: one pass of the
@@ -100,16 +106,28 @@ def table_rows(weights, name, rows: range) -> np.ndarray:
     return weights[name][rows.start:rows.stop]
 
 
-def load_layer(layer, i, weights):
+def load_weights(module, prefix, weights):
     import torch
-    for name, param in layer.named_parameters():
-        param.data = torch.from_numpy(weights[f"model.layers.{i}.{name}"])
+    for name, param in module.named_parameters(recurse=False):
+        param.data = torch.from_numpy(weights[prefix + name])
 
 
-def drop_layer(layer):
+def drop_weights(module):
     import torch
-    for param in layer.parameters():
+    for param in module.parameters(recurse=False):
         param.data = torch.empty(0)
-    # glibc keeps a layer's freed weights and activations otherwise, and the next layer's
-    # come on top: a pass would grow by a layer's worth each layer
+    # glibc keeps freed weights and activations otherwise, and the next part's come on top:
+    # a pass would grow by a layer's worth each layer
     return_freed_memory()
+
+
+def by_rows(mlp):
+    """The MLP (position by position) on MLP_ROWS positions at a time: its activations are
+    the intermediate size wide, for a batch of long sequences hundreds of megabytes."""
+    import torch
+
+    def forward(x):
+        rows = x.reshape(-1, x.shape[-1])
+        return torch.cat([mlp(rows[i:i + MLP_ROWS]) for i in range(0, len(rows), MLP_ROWS)]
+                         ).reshape(x.shape[:-1] + (-1,))
+    return forward

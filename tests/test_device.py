@@ -104,3 +104,41 @@ def test_bench_parallel_is_refused_before_decoding_on_cuda(on_gpu):
 
 def test_batch_round_costs_are_not_measured_on_cuda(on_gpu):
     assert batch_round_costs(on_gpu.engine) == {}
+
+
+@pytest.mark.parametrize("policy", [{"draft_k": 3, "lookup_k": 0, "draft_threshold": 0.1},
+                                    {"draft_k": 0, "lookup_k": 8}], ids=["exit", "lookup"])
+@pytest.mark.parametrize("sampling, most", [({"temperature": 0}, 256),
+                                            ({"temperature": 0.9, "top_k": 5}, 512)],
+                         ids=["greedy", "top-k"])
+def test_a_round_reads_a_few_candidates_not_logits_from_a_cuda_head(tiny_cuda, policy,
+                                                                     sampling, most):
+    # most: host-bound bytes per committed token (the logits are 1 KB a row here)
+    path, _ = tiny_cuda
+    model = edgespec.load(path, device="cpu")  # the CUDA graphs, run here on the CPU
+    model.stop_ids, engine = set(), model.engine
+    prompt, new = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], 40
+    a_row = engine.vocab_size * engine.dtype(0).itemsize  # prefill's, once a reply
+    accepted = 0
+    for seed in range(3):
+        replies = {}
+        for mode, options in (("plain", {}), ("speculative", {"adaptive": False, **policy})):
+            before = engine.host_bytes
+            replies[mode] = model.generate_ids(prompt, new, mode=mode, seed=seed, **sampling,
+                                               **options)
+            per_token = (engine.host_bytes - before - a_row) / new
+            assert per_token <= most, (mode, per_token)
+        assert replies["speculative"].tokens == replies["plain"].tokens
+        accepted += replies["speculative"].stats.accepted
+    assert accepted > 0
+
+
+def test_settings_that_read_the_whole_row_still_copy_it(tiny_cuda):
+    path, _ = tiny_cuda
+    model = edgespec.load(path, device="cpu")
+    engine, new = model.engine, 20
+    a_row = engine.vocab_size * engine.dtype(0).itemsize
+    for options in ({"temperature": 0.9, "top_k": 0}, {"temperature": 0, "repetition_penalty": 1.2}):
+        before = engine.host_bytes
+        model.generate_ids([5, 6, 7], new, mode="plain", ignore_eos=True, **options)
+        assert engine.host_bytes - before >= new * a_row

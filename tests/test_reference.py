@@ -53,7 +53,7 @@ def test_scores_equal_the_full_models_top1_and_log_probabilities(
         np.testing.assert_allclose(log_p, want, rtol=0, atol=1e-4)
 
 
-def test_a_pass_holds_one_decoder_layer_and_a_slice_of_the_vocabulary_table(
+def test_a_pass_holds_one_weight_and_a_slice_of_the_vocabulary_table(
         checkpoints, tmp_path, monkeypatch):
     monkeypatch.setattr(edgespec.export.reference, "VOCAB_SLICE", 100)
     whole, rows = [], []  # the tensors read whole, the sizes of the row ranges read
@@ -64,19 +64,38 @@ def test_a_pass_holds_one_decoder_layer_and_a_slice_of_the_vocabulary_table(
                         lambda self, name, r: rows.append(len(r)) or read_rows(self, name, r))
     source = source_of(checkpoints, "qwen2", False, "gguf", tmp_path)
     reference = Reference(source.arch, source.weights)
-    model, held = reference.model, []
-    one_layer = sum(source.weights.nbytes(name) // 4 for name in source.weights
-                    if name.startswith("model.layers.0."))
-    for layer in model.layers:  # after the layer's own hook has read its weights
-        layer.register_forward_pre_hook(lambda module, args: held.append(
-            sum(p.numel() for p in model.layers.parameters())))
+    model, held = reference.model, []  # (weights held by all layers, by the part running)
+    parts = [part for layer in model.layers for part in layer.modules()
+             if next(part.parameters(recurse=False), None) is not None]
+    for part in parts:  # after the part's own hook has read its weights
+        part.register_forward_pre_hook(lambda module, args: held.append(
+            (sum(p.numel() for p in model.layers.parameters()),
+             sum(p.numel() for p in module.parameters(recurse=False)))))
     ids = batch()[1]
     reference.scores(reference.hidden([ids])[0], ids[1:])
-    assert held == [one_layer] * source.arch.num_layers
+    layers = sum(source.weights.nbytes(name) // 4 for name in source.weights
+                 if name.startswith("model.layers."))
+    assert len(held) == len(parts) and all(total == own for total, own in held)
+    assert sum(own for _, own in held) == layers  # every weight read, once
     assert all(p.numel() == 0 for p in model.layers.parameters())  # dropped after the pass
     vocab = source.arch.vocab_size
     assert all(vocab not in t.shape for t in (*model.parameters(), *model.buffers()))
     assert not {EMBEDDING, HEAD} & set(whole) and 0 < max(rows) <= 100
+
+
+def test_an_mlp_runs_a_few_positions_at_a_time_and_gives_the_same_states(
+        checkpoints, tmp_path, monkeypatch):
+    source = source_of(checkpoints, "qwen2", False, "gguf", tmp_path)
+    sequences = [batch()[1]] * 3
+    whole = Reference(source.arch, source.weights).hidden(sequences)
+    monkeypatch.setattr(edgespec.export.reference, "MLP_ROWS", 5)
+    reference, widths = Reference(source.arch, source.weights), []
+    for layer in reference.model.layers:
+        layer.mlp.down_proj.register_forward_pre_hook(
+            lambda module, args: widths.append(args[0].shape[0]))
+    for a, b in zip(whole, reference.hidden(sequences)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert max(widths) == 5
 
 
 def greedy_replies(full, prompts, stop_ids):

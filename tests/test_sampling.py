@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from edgespec.errors import EdgespecError
-from edgespec.sampling import Sampler, SamplingParams, distribution, penalize
+from edgespec.sampling import Sampler, SamplingParams, distribution, penalize, row_top
 
 LOGITS = np.log(np.array([0.4, 0.3, 0.15, 0.1, 0.05], dtype=np.float32))
 
@@ -182,3 +182,24 @@ def test_a_sampler_kept_across_peaked_and_flat_positions_keeps_the_exact_top_k()
         np.testing.assert_allclose(fast, reference_distribution(logits, history, params),
                                    atol=1e-6, err_msg=f"step {step}")
         history.append(int(rng.integers(0, vocab)))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0),
+                                    SamplingParams(temperature=0.7, top_k=5),
+                                    SamplingParams(temperature=1.3, top_k=3, top_p=0.8, min_p=0.05)],
+                         ids=["greedy", "top-k", "top-k, top-p, min-p"])
+def test_a_rows_ranked_top_draws_what_the_whole_row_draws(params):
+    # what a GPU head hands over (Engine.head_top): the k largest logits and the ties of the
+    # k-th, ranked; rows with ties at the cut and among the top included
+    rng, k = np.random.default_rng(0), Sampler(params).top_needed
+    for trial in range(200):
+        z = rng.normal(size=64).astype(np.float32)
+        if trial % 3 == 0:
+            z[rng.choice(64, 4, replace=False)] = np.sort(z)[-k]  # ties with the k-th
+        if trial % 5 == 0:
+            z[rng.choice(64, 2, replace=False)] = z.max()  # ties at the top
+        full, top = Sampler(params), Sampler(params)
+        top.seed = full.seed = trial
+        assert row_top(z, k) == full.ranked_top(z, k)
+        history = list(range(trial % 7))
+        assert top(row_top(z, k), history) == full(z, history)
