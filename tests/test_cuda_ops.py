@@ -1,22 +1,15 @@
 """The check of `--device cuda` exports against ONNX Runtime's CUDA kernels (export/cuda_ops.py):
 what export writes for each family passes it, and the combinations the CUDA kernels refuse or
 read wrongly fail it. The check reads graphs only; no test here needs a GPU."""
-from collections import ChainMap
-
-import numpy as np
 import onnx
 import pytest
 from gguf import GGMLQuantizationType as T
 from gguf_files import make_gguf
 from helpers import make_checkpoint, quiet
 
-from edgespec.artifact import BATCH_SLOTS
 from edgespec.errors import EdgespecError
 from edgespec.export.cuda_ops import check_cuda_artifact, check_cuda_graph, needed_release
-from edgespec.export.graph import Blocks, build_draft, build_head, build_lower, build_upper
 from edgespec.export.pipeline import export_model
-from edgespec.export.source import load_source
-from edgespec.export.writer import WeightFiles, write_graphs
 
 FAMILIES = {"mistral": {"sliding_window": 16}, "qwen2": {}, "gemma3": {}}  # llama: tiny_checkpoint
 
@@ -93,19 +86,12 @@ def test_a_table_with_4_bit_zero_points_in_rows_of_odd_blocks_is_refused_in_one_
 
 
 @pytest.mark.models
-def test_qwen2_5_coder_0_5bs_cuda_graphs_run_on_cuda_kernels(tmp_path):
+def test_qwen2_5_coder_0_5bs_cuda_export_runs_on_cuda_kernels(tmp_path):
     from test_models import MODELS, source_file
-    # the graphs of `export --device cuda` (the file's own grids, fp16 activations), without
-    # the gates export measures on them: minutes of fp16 on the CPU that check nothing here
-    source = load_source(str(source_file("qwen2.5-coder-0.5b")))
-    blocks = Blocks(source.arch, ChainMap({}, source.weights), "int4", 1024, "mixed",
-                    source.weights.quantized)
-    files, exit_layer = WeightFiles(tmp_path), MODELS["qwen2.5-coder-0.5b"][3]
-    slots = (1, *BATCH_SLOTS)
-    write_graphs(build_lower(blocks, exit_layer, np.float16, slots, files)
-                 + build_upper(blocks, exit_layer, np.float16, slots, files)
-                 + [build_head(blocks, np.float16, files),
-                    build_draft(blocks, False, list(range(4096)), np.float16, files)], tmp_path)
-    checks = check_cuda_artifact(tmp_path)
-    assert len(checks) == 10 and all(c.problems == [] for c in checks)
+    name = "qwen2.5-coder-0.5b"
+    export_model(str(source_file(name)), tmp_path / "art", device="cuda",
+                 exit_layer=MODELS[name][3], max_context=1024, log=quiet)
+    checks = check_cuda_artifact(tmp_path / "art")
+    assert {c.graph for c in checks} >= {"lower", "upper", "head"}
+    assert all(c.problems == [] for c in checks)
     assert needed_release(checks) == ("1.28", "MatMulNBits with a bias")
