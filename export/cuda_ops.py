@@ -27,16 +27,15 @@ TABLE = Path(__file__).parent / "data" / "cuda_kernels.json"
 ONNX, MS = "ai.onnx", "com.microsoft"
 # the ops export emits: the rows of OperatorKernels.md the table keeps
 EXPORT_OPS = {ONNX: ("Add", "Cast", "Concat", "Gather", "Gelu", "Gemm", "Identity", "Less",
-                     "MatMul", "Max", "Min", "Mul", "ReduceSum", "Reshape", "Shape",
-                     "SimplifiedLayerNormalization", "Slice", "Split", "Squeeze", "Sub",
-                     "Unsqueeze", "Where"),
+                     "MatMul", "Max", "Min", "Mul", "ReduceSum", "Reshape",
+                     "SimplifiedLayerNormalization", "Slice", "Split", "Sub", "Unsqueeze",
+                     "Where"),
               MS: ("GatherBlockQuantized", "GroupQueryAttention", "MatMulNBits", "QuickGelu",
                    "SkipSimplifiedLayerNormalization")}
 # inputs the CUDA kernels read from CPU memory (InputMemoryType(OrtMemTypeCPUInput, i) in
 # their kernel definitions): ONNX Runtime computes what feeds only these on the CPU
 CPU_INPUTS = {(ONNX, "Reshape"): {1}, (ONNX, "Slice"): {1, 2, 3, 4}, (ONNX, "Split"): {1},
-              (ONNX, "Squeeze"): {1}, (ONNX, "Unsqueeze"): {1}, (ONNX, "ReduceSum"): {1},
-              (MS, "GroupQueryAttention"): {6}}
+              (ONNX, "Unsqueeze"): {1}, (ONNX, "ReduceSum"): {1}, (MS, "GroupQueryAttention"): {6}}
 INTEGERS = {TensorProto.INT32, TensorProto.INT64}
 
 
@@ -142,11 +141,14 @@ class _Graph:
         """Nodes whose integer outputs are read only where a CUDA kernel reads CPU memory, or
         by other such nodes: ONNX Runtime places them on the CPU (their indices)."""
         outputs, cpu = {o.name for o in self.graph.output}, set()
-        for n in reversed(range(len(self.nodes))):
-            if all(name not in outputs and self.types.get(name) in INTEGERS and
-                   self.readers.get(name) and all(r in cpu or i in CPU_INPUTS.get(
-                       (_domain(self.nodes[r].domain), self.nodes[r].op_type), ())
-                       for r, i in self.readers[name]) for name in self.nodes[n].output):
+
+        def read_on_cpu(name):  # an integer that every reader takes in CPU memory
+            readers = self.readers.get(name)
+            return (name not in outputs and self.types.get(name) in INTEGERS and readers and
+                    all(r in cpu or i in CPU_INPUTS.get(_key(self.nodes[r]), ())
+                        for r, i in readers))
+        for n in reversed(range(len(self.nodes))):  # readers come after what they read
+            if all(read_on_cpu(name) for name in self.nodes[n].output):
                 cpu.add(n)
         return cpu
 
@@ -272,6 +274,10 @@ def _single_type(schema, type_str):
     if len(allowed) != 1 or not allowed[0].startswith("tensor("):
         return None
     return TensorProto.DataType.Value(allowed[0][len("tensor("):-1].upper())
+
+
+def _key(node) -> tuple:
+    return _domain(node.domain), node.op_type
 
 
 def _domain(domain) -> str:
