@@ -13,7 +13,7 @@ from edgespec.errors import EdgespecError
 
 from edgespec.artifact import BATCH_SLOTS, DRAFT_VOCAB
 
-from . import fidelity, memory, quality
+from . import cuda_ops, fidelity, memory, quality
 from .calibrate import ADAPTIVE, calibrate_draft, instructions, round_costs
 from . import graph
 from .gptq import quantize_layers
@@ -307,6 +307,8 @@ class ArtifactBuilder:
                                       self.files)], self.out)
             np.save(self.out / DRAFT_VOCAB, np.arange(arch.vocab_size) if vocab is None
                     else np.asarray(vocab, np.int64))
+        if self.fields["device"] == "cuda":  # refused before anything is measured on it
+            cuda_ops.require_cuda_kernels(self.out)
         self.fields.update(exit_layer=exit_layer, draft=draft)
         return write_manifest(self.out, {**self.fields, **self.extra})
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig,
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig,
                           PreTrainedTokenizerFast, Qwen2Config)
 
 from edgespec.export.source import HF_SAMPLING
@@ -63,7 +63,8 @@ def make_checkpoint(path: Path, arch: str = "llama", tie: bool = True, layers: i
                      layer_types=["sliding_attention", "full_attention"] * (layers // 2))
         config = Gemma3TextConfig(**{**common, **gemma, **config_overrides})
     else:
-        config = (Qwen2Config if arch == "qwen2" else LlamaConfig)(**common, **config_overrides)
+        kind = {"qwen2": Qwen2Config, "mistral": MistralConfig}.get(arch, LlamaConfig)
+        config = kind(**common, **config_overrides)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # random init is too tame to tell implementations apart: widen it
         for p in model.parameters():
