@@ -6,22 +6,23 @@ output, and what does it cost there?
 1. The providers and the device. Without a CUDA device that runs a session, one line
    ("no CUDA device: ...") and exit code 3, before anything is exported.
 2. Export the bundled SmolLM2-135M-Instruct and each MODEL given for CUDA (fp16 graphs;
-   exit layer 3/4 of the depth, the shipped adapter if any, no calibration) into --out,
-   or check --artifact DIRs instead.
+   the shipped exit adapter and its exit layer if there is one, else the raw exit at 3/4
+   of the depth; no calibration) into --out, or check --artifact DIRs instead.
 3. Load each on CUDA (edgespec.load(device="cuda")): every graph's session on CUDA with
    ONNX Runtime's CPU fallback off.
 4. On the 13 Spec-Bench dev prompts (the first of each category): greedy speculative ==
    greedy plain, and seeded sampled (temperature 0.8, top-k 40, top-p 0.9, repetition
    penalty 1.1) speculative == seeded plain, token for token; plain and speculative decode
    tok/s and tokens per round (edgespec.bench.bench_prompt, end of turn ignored).
-5. Host-device copies per decoded token, plain and speculative, on the first prompt: the
-   tensors each run reads or writes in host memory through its io-binding (each a copy
-   across the bus at every run) plus the Memcpy nodes ONNX Runtime's profiler shows inside
-   the graphs; and which provider ran each node.
+5. Host-device copies per decoded token, plain and speculative, on the first prompt
+   (benchmarks/host_copies.py): the tensors each run reads or writes in host memory
+   through its io-binding plus the Memcpy nodes ONNX Runtime's profiler shows inside the
+   graphs; and which provider ran each node.
 6. One JSON verdict (--json; default OUT/verdict.json) and a short table.
 
-Exit codes: 0 every check passed, 1 a check failed (the verdict says which), 2 bad
-arguments, 3 no CUDA device. --device cpu rehearses steps 2-6 on the CPU provider.
+Exit codes: 0 every check passed; 1 a check failed or a step raised (the verdict's
+failures say which, with the traceback); 2 bad arguments; 3 no CUDA device. --device cpu
+rehearses steps 2-6 on the CPU provider.
 """
 import argparse
 import contextlib
@@ -30,10 +31,8 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-import weakref
-from collections import Counter, defaultdict
+import traceback
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
@@ -43,17 +42,15 @@ import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import edgespec  # noqa: E402
-from edgespec import engine as engine_module  # noqa: E402
 from edgespec.bench import bench_prompt, load_prompts, prompt_ids  # noqa: E402
 from edgespec.sampling import CHAT_DEFAULTS, SamplingParams  # noqa: E402
+from benchmarks.host_copies import count_copies  # noqa: E402
 
 PASSED, FAILED, USAGE, NO_CUDA = 0, 1, 2, 3
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 PROVIDER = {"cuda": CUDA, "cpu": CPU}
 PROMPTS = Path(__file__).parent / "data" / "spec_bench_dev.jsonl"
 SAMPLINGS = {"greedy": SamplingParams(), "sampled": CHAT_DEFAULTS}  # sampled: seeded per prompt
-COPY_TOKENS = 32  # tokens decoded while copies are counted (profiled: slower)
-MEMCPY_OPS = ("MemcpyFromHost", "MemcpyToHost")
 
 
 # -- the device --------------------------------------------------------------------------
@@ -75,8 +72,14 @@ def cuda_problem() -> str:
                                        enable_fallback=0)
         session.run(None, {"x": np.ones(1, np.float32)})
     except Exception as e:  # ORT's own types: missing CUDA libraries, no device, ...
-        return f"{CUDA} did not start: {str(e).strip().splitlines()[0]}"
+        return f"{CUDA} did not start: {_line(e)}"
     return None
+
+
+def _line(error) -> str:
+    """An exception's first line."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def describe_device(device: str) -> dict:
@@ -128,157 +131,6 @@ def compare(model, rows, max_new_tokens, repeat=1, label="") -> dict:
     return report
 
 
-# -- what crosses the bus ----------------------------------------------------------------
-
-def _nbytes(element_type, shape) -> int:
-    """Bytes of a tensor of numpy dtype or ORT type string ("tensor(float16)")."""
-    if isinstance(element_type, str) and element_type.startswith("tensor("):
-        element_type = {"float": "float32", "double": "float64"}.get(
-            element_type[7:-1], element_type[7:-1])
-    return int(np.prod(shape or [0])) * np.dtype(element_type).itemsize
-
-
-class Transfers:
-    """Counts, while active, every io-bound run of any session and the tensors it has bound
-    outside `device` memory: each is copied across the bus at every run (to the device
-    before it, or back after it). A kernel that reads an input on the host (such as
-    GroupQueryAttention's total_seq_len) is counted though ONNX Runtime copies nothing.
-    Done through ONNX Runtime's own IOBinding and InferenceSession methods, so it sees
-    whatever the engine binds."""
-
-    def __init__(self, device: str):
-        self.device = device
-        self.totals = defaultdict(Counter)  # session -> runs, to_device, to_host and bytes
-        self._bound = weakref.WeakKeyDictionary()  # binding -> {(direction, name): (where, bytes)}
-        self._undo = []
-
-    def snapshot(self) -> dict:
-        return {session: Counter(counts) for session, counts in self.totals.items()}
-
-    def since(self, before: dict) -> dict:
-        """What ran since `before` (a snapshot), by session."""
-        return {s: counts - before.get(s, Counter()) for s, counts in self.totals.items()}
-
-    def __enter__(self):
-        io, session = ort.IOBinding, ort.InferenceSession
-        self._wrap(io, "bind_cpu_input", "in", lambda name, array: ("cpu", array.nbytes))
-        self._wrap(io, "bind_input", "in", lambda name, device_type, device_id, element_type,
-                   shape, buffer_ptr: (device_type, _nbytes(element_type, shape)))
-        self._wrap(io, "bind_output", "out", lambda name, device_type="cpu", device_id=0,
-                   element_type=None, shape=None, buffer_ptr=None:
-                   (device_type, _nbytes(element_type, shape) if element_type else 0))
-        for method, direction in (("bind_ortvalue_input", "in"), ("bind_ortvalue_output", "out")):
-            self._wrap(io, method, direction, lambda name, value:
-                       (value.device_name(), _nbytes(value.data_type(), value.shape())))
-        run = vars(_owner(session, "run_with_iobinding"))["run_with_iobinding"]
-
-        def counted(sess, binding, *args, **kwargs):
-            result = run(sess, binding, *args, **kwargs)
-            counts = self.totals[sess]
-            counts["runs"] += 1
-            for (direction, _), (where, nbytes) in self._bound.get(binding, {}).items():
-                if where.lower() != self.device:
-                    way = "to_device" if direction == "in" else "to_host"
-                    counts[way] += 1
-                    counts[way + "_bytes"] += nbytes
-            return result
-        self._patch(session, "run_with_iobinding", counted)
-        return self
-
-    def __exit__(self, *exc):
-        for owner, name, original in reversed(self._undo):
-            setattr(owner, name, original)
-        self._undo.clear()
-
-    def _wrap(self, cls, method, direction, where):
-        bind = vars(_owner(cls, method))[method]
-
-        def recorded(binding, name, *args, **kwargs):
-            bind(binding, name, *args, **kwargs)
-            self._bound.setdefault(binding, {})[(direction, name)] = where(name, *args, **kwargs)
-        self._patch(cls, method, recorded)
-
-    def _patch(self, cls, name, function):
-        owner = _owner(cls, name)
-        self._undo.append((owner, name, vars(owner)[name]))
-        setattr(owner, name, function)
-
-
-def _owner(cls, name):
-    return next(c for c in cls.__mro__ if name in vars(c))
-
-
-@contextlib.contextmanager
-def profiled_sessions(folder: Path):
-    """Sessions the engine makes meanwhile write ONNX Runtime profiles into `folder`, one
-    file each (end_profiling() names it)."""
-    made, count = engine_module._session_options, [0]
-
-    def options(*args, **kwargs):
-        opts = made(*args, **kwargs)
-        count[0] += 1
-        opts.enable_profiling = True
-        opts.profile_file_prefix = str(folder / f"session{count[0]}")
-        return opts
-    engine_module._session_options = options
-    try:
-        yield
-    finally:
-        engine_module._session_options = made
-
-
-def read_profile(path) -> dict:
-    """One session's profile: its runs, the nodes each provider ran, the Memcpy nodes (a
-    copy between host and device inside the graph) and how many run per run."""
-    events = json.loads(Path(path).read_text())
-    runs = sum(e.get("cat") == "Session" and e.get("name") == "model_run" for e in events)
-    nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
-    placed = {}
-    for e in nodes:
-        placed[e["name"][:-len("_kernel_time")]] = (e["args"].get("provider"),
-                                                    e["args"].get("op_name"))
-    memcpy = sum(e["args"].get("op_name") in MEMCPY_OPS for e in nodes)
-    return {"runs": runs,
-            "nodes_by_provider": dict(Counter(provider for provider, _ in placed.values())),
-            "memcpy_nodes": sorted(f"{name} ({op})" for name, (_, op) in placed.items()
-                                   if op in MEMCPY_OPS),
-            "memcpy_per_run": memcpy / runs if runs else 0.0}
-
-
-def count_copies(artifact, device, ids, tokens=COPY_TOKENS) -> dict:
-    """Host-device copies per decoded token, greedy plain and speculative, on prompt `ids`:
-    io-bound tensors outside the device (Transfers) plus Memcpy nodes (the profiles); the
-    prompt's prefill is left out (a 1-token reply runs only the prefill)."""
-    with tempfile.TemporaryDirectory() as folder, Transfers(device) as seen, \
-            profiled_sessions(Path(folder)):
-        model = edgespec.load(artifact, device=device)
-        greedy = {**asdict(SamplingParams()), "ignore_eos": True}
-        before = seen.snapshot()
-        model.generate_ids(ids, 1, mode="plain", **greedy)
-        prefill = seen.since(before)
-        decoded = {}
-        for mode in ("plain", "speculative"):
-            model.forget()
-            before = seen.snapshot()
-            reply = model.generate_ids(ids, tokens, mode=mode, **greedy)
-            decoded[mode] = ({s: c - prefill.get(s, Counter()) for s, c in seen.since(before).items()},
-                             reply.n_generated - 1)
-        graphs = {name: read_profile(session.end_profiling())
-                  for name, session in model.engine.sessions.items()}
-    names = {session: name for name, session in model.engine.sessions.items()}
-    report = {"tokens": tokens, "graphs": graphs}
-    for mode, (by_session, n) in decoded.items():
-        total = Counter()
-        for session, counts in by_session.items():
-            total.update(counts)
-            total["memcpy"] += counts["runs"] * graphs[names[session]]["memcpy_per_run"]
-        per = {key: total[key] / n for key in ("runs", "to_device", "to_host", "memcpy",
-                                               "to_device_bytes", "to_host_bytes")}
-        per["copies"] = per["to_device"] + per["to_host"] + per["memcpy"]
-        report[mode] = per
-    return report
-
-
 # -- one model, the verdict ----------------------------------------------------------------
 
 def sessions_report(model) -> dict:
@@ -295,41 +147,45 @@ def sessions_report(model) -> dict:
 
 
 def judge(report: dict, device: str) -> list:
-    """What failed, a line each: the sessions' providers, the nodes' placement, spec vs plain."""
+    """What failed, a line each: the sessions' providers, the nodes' placement, spec vs plain
+    (of the steps the report holds)."""
     want, failures = PROVIDER[device], []
-    for graph, s in report["sessions"].items():
+    for graph, s in report.get("sessions", {}).items():
         if s["providers"][0] != want:
             failures.append(f"{graph} runs on {s['providers'][0]}, not {want}")
         if device == "cuda" and not s["cpu_fallback_disabled"]:
             failures.append(f"{graph}: ONNX Runtime's CPU fallback is not disabled")
-    for graph, g in report["copies"]["graphs"].items():
+    for graph, g in report.get("copies", {}).get("graphs", {}).items():
         elsewhere = {p: n for p, n in g["nodes_by_provider"].items() if p != want}
         if elsewhere:
             failures.append(f"{graph}: nodes ran on {elsewhere}, not all on {want}")
     for name in SAMPLINGS:
-        c = report[name]
-        if c["different"]:
+        c = report.get(name, {})
+        if c.get("different"):
             failures.append(f"{name}: speculative differs from plain on question ids "
                             f"{', '.join(map(str, c['different']))}")
     return failures
 
 
 def check_model(artifact, device, rows, max_new_tokens, repeat=1) -> dict:
-    """Load `artifact` on `device` and run every check on it; the model's verdict."""
-    name = Path(artifact).name
+    """Load `artifact` on `device` and run every check on it; the model's verdict. A step
+    that raises is a failure in the verdict (with its traceback), and the checks go on."""
+    report, step = {"model": Path(artifact).name, "artifact": str(artifact)}, "load"
     try:
         model = edgespec.load(artifact, device=device)
-    except edgespec.EdgespecError as e:
-        return {"model": name, "artifact": str(artifact), "passed": False,
-                "failures": [f"load: {e}"]}
-    report = {"model": name, "artifact": str(artifact), "sessions": sessions_report(model),
-              **compare(model, rows, max_new_tokens, repeat, label=name)}
-    ids = prompt_ids(model, rows[0])
-    del model  # its sessions and KV caches, before the profiled copy loads its own
-    gc.collect()
-    report["copies"] = {"question_id": rows[0]["question_id"],
-                        **count_copies(artifact, device, ids)}
-    report["failures"] = judge(report, device)
+        report["sessions"] = sessions_report(model)
+        step = "decode"
+        report.update(compare(model, rows, max_new_tokens, repeat, label=report["model"]))
+        ids = prompt_ids(model, rows[0])
+        del model  # its sessions and KV caches, before the profiled copy loads its own
+        gc.collect()
+        step = "copies"
+        report["copies"] = {"question_id": rows[0]["question_id"],
+                            **count_copies(artifact, device, ids)}
+    except Exception as e:  # on a device run for the first time, anything may: record it
+        report["error"] = traceback.format_exc()
+        report["failures"] = [f"{step}: {_line(e)}"]
+    report["failures"] = judge(report, device) + report.get("failures", [])
     report["passed"] = not report["failures"]
     return report
 
@@ -341,8 +197,9 @@ def export(source, out: Path, device) -> dict:
     try:
         export_model(source, out, device=device, adapter="auto",
                      log=lambda msg: print(msg, file=sys.stderr))
-    except edgespec.EdgespecError as e:
-        return {"model": out.name, "source": source, "passed": False, "failures": [f"export: {e}"]}
+    except Exception as e:  # as check_model: the verdict says what failed
+        return {"model": out.name, "source": source, "passed": False,
+                "failures": [f"export: {_line(e)}"], "error": traceback.format_exc()}
     return {"source": source, "export_s": round(time.perf_counter() - start, 1)}
 
 
@@ -351,26 +208,26 @@ def table(verdict) -> str:
             f"{'spec tok/s':>10} {'speedup':>7} {'tok/round':>9}")
     lines = [head, "-" * len(head)]
     for m in verdict["models"]:
-        for name in SAMPLINGS:
-            if name in m:
-                c = m[name]
-                lines.append(f"{m['model'][:28]:28} {name:8} {c['identical']:>5}/{c['prompts']:<3} "
-                             f"{c['plain_tokens_per_s']:>11.1f} {c['spec_tokens_per_s']:>10.1f} "
-                             f"{c['speedup']:>6.2f}x {c['tokens_per_round']:>9.2f}")
+        for name in (n for n in SAMPLINGS if n in m):
+            c = m[name]
+            lines.append(f"{m['model'][:28]:28} {name:8} {c['identical']:>5}/{c['prompts']:<3} "
+                         f"{c['plain_tokens_per_s']:>11.1f} {c['spec_tokens_per_s']:>10.1f} "
+                         f"{c['speedup']:>6.2f}x {c['tokens_per_round']:>9.2f}")
     for m in verdict["models"]:
-        if "copies" in m:
-            lines.append(f"{m['model']}: host-device copies per token " + "; ".join(
-                f"{mode} {c['copies']:.1f} ({c['to_device']:.1f} to the device, "
-                f"{c['to_host']:.1f} back, {c['memcpy']:.1f} Memcpy nodes; "
-                f"{c['runs']:.1f} runs)" for mode, c in
-                ((mode, m["copies"][mode]) for mode in ("plain", "speculative"))))
+        copies = m.get("copies", {})
+        for mode in (mode for mode in ("plain", "speculative") if mode in copies):
+            c = copies[mode]
+            lines.append(f"{m['model']}, {mode}: {c['copies']:.1f} host-device copies per token "
+                         f"({c['to_device']:.1f} to the device, {c['to_host']:.1f} back, "
+                         f"{c['memcpy']:.1f} Memcpy nodes), {c['runs']:.1f} graph runs")
         lines += [f"{m['model']}: FAILED {failure}" for failure in m["failures"]]
     lines.append(f"verdict: {verdict['verdict']}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("models", nargs="*", metavar="MODEL",
                    help="a .gguf file (or checkpoint) to export and check besides SmolLM2")
     p.add_argument("--artifact", action="append", default=[], metavar="DIR",
@@ -385,6 +242,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: rehearse the checks on the CPU provider")
     args = p.parse_args(argv)
+    if args.max_new_tokens < 1 or args.repeat < 1:
+        p.error("--max-new-tokens and --repeat must be at least 1")
     if args.device == "cuda":
         problem = cuda_problem()
         if problem:
@@ -395,7 +254,8 @@ def main(argv=None) -> int:
     except edgespec.EdgespecError as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE
-    verdict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": sys.argv,
+    command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    verdict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command,
                **describe_device(args.device), "prompts": str(args.prompts),
                "max_new_tokens": args.max_new_tokens, "repeat": args.repeat, "models": []}
     targets = [(Path(a), {"source": None}) for a in args.artifact]

@@ -12,7 +12,7 @@ from gguf_files import make_gguf
 from onnx import TensorProto, helper
 
 import edgespec.decoder
-from benchmarks import gpu_check
+from benchmarks import gpu_check, host_copies
 from edgespec.bench import load_prompts
 from edgespec.engine import set_threads
 
@@ -67,7 +67,8 @@ def test_a_cpu_rehearsal_exports_a_gguf_checks_it_and_an_artifact_and_passes(
         assert copies["plain"]["runs"] == 3  # lower, upper and head once a token, prefill apart
         assert copies["plain"]["copies"] == copies["speculative"]["copies"] == 0  # no bus here
         assert {p for g in copies["graphs"].values() for p in g["nodes_by_provider"]} == {CPU}
-    assert "verdict: pass" in result.stdout and "host-device copies per token" in result.stdout
+    assert "verdict: pass" in result.stdout
+    assert "int4, plain: 0.0 host-device copies per token" in result.stdout
 
 
 def test_speculative_output_that_leaves_plain_fails_the_check(tiny_int4, prompts, tmp_path,
@@ -91,7 +92,8 @@ def test_an_artifact_that_does_not_load_fails_with_the_reason(prompts, tmp_path)
     code = gpu_check.main(["--device", "cpu", "--artifact", str(tmp_path / "missing"),
                            "--prompts", str(prompts), "--json", str(out)])
     (model,) = json.loads(out.read_text())["models"]
-    assert code == gpu_check.FAILED and model["failures"][0].startswith("load: ")
+    assert code == gpu_check.FAILED and model["failures"] == [model["failures"][0]]
+    assert model["failures"][0].startswith("load: ") and "Traceback" in model["error"]
 
 
 def test_the_default_prompts_are_the_first_of_each_of_13_categories():
@@ -103,8 +105,8 @@ def test_the_default_prompts_are_the_first_of_each_of_13_categories():
 
 
 def add_session():
-    x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in "xy")
-    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "add", [x], [y])
+    x, z, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in "xzy")
+    graph = helper.make_graph([helper.make_node("Add", ["x", "z"], ["y"])], "add", [x, z], [y])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     set_threads()  # the process's one pool, as the engine's sessions share it
     options = ort.SessionOptions()
@@ -116,14 +118,15 @@ def add_session():
 def test_every_tensor_bound_outside_the_device_is_a_copy_at_every_run(device, copies):
     session, x, y = add_session(), np.ones([2, 3], np.float32), np.zeros([2, 3], np.float32)
     methods = [vars(ort.IOBinding)["bind_ortvalue_input"], vars(ort.IOBinding)["bind_output"]]
-    with gpu_check.Transfers(device) as seen:  # "cuda": as if the session ran on a GPU
+    with host_copies.Transfers(device) as seen:  # "cuda": as if the session ran on a GPU
         binding = session.io_binding()
         binding.bind_ortvalue_input("x", ort.OrtValue.ortvalue_from_numpy(x))
+        binding.bind_cpu_input("z", x)
         binding.bind_output("y", "cpu", 0, np.float32, [2, 3], y.ctypes.data)
         for _ in range(3):
             session.run_with_iobinding(binding)
-    assert seen.totals[session] == +Counter(runs=3, to_device=copies, to_host=copies,
-                                            to_device_bytes=24 * copies, to_host_bytes=24 * copies)
+    assert seen.totals[session] == +Counter(runs=3, to_device=2 * copies, to_host=copies,
+                                            to_device_bytes=48 * copies, to_host_bytes=24 * copies)
     assert y.tolist() == [[2.0] * 3] * 2
     assert [vars(ort.IOBinding)["bind_ortvalue_input"], vars(ort.IOBinding)["bind_output"]] \
         == methods  # ONNX Runtime's own methods again
@@ -141,7 +144,7 @@ def test_a_profile_gives_runs_placement_and_memcpy_nodes_and_judge_fails_them(tm
         node("Shape_3", "Shape", CPU)]
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(events))
-    profile = gpu_check.read_profile(path)
+    profile = host_copies.read_profile(path)
     assert profile == {"runs": 2, "nodes_by_provider": {CUDA: 2, CPU: 1},
                        "memcpy_nodes": ["Memcpy (MemcpyToHost)"], "memcpy_per_run": 1.0}
     report = {"sessions": {"lower": {"providers": [CUDA, CPU], "cpu_fallback_disabled": True},
