@@ -37,12 +37,12 @@ from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 
-import numpy as np
 import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import edgespec  # noqa: E402
 from edgespec.bench import bench_prompt, load_prompts, prompt_ids  # noqa: E402
+from edgespec.engine import cuda_problem  # noqa: E402
 from edgespec.sampling import CHAT_DEFAULTS, SamplingParams  # noqa: E402
 from benchmarks.host_copies import count_copies  # noqa: E402
 
@@ -54,27 +54,6 @@ SAMPLINGS = {"greedy": SamplingParams(), "sampled": CHAT_DEFAULTS}  # sampled: s
 
 
 # -- the device --------------------------------------------------------------------------
-
-def cuda_problem() -> str:
-    """Why a CUDA session cannot run here, in a line; None when one can."""
-    available = ort.get_available_providers()
-    if CUDA not in available:
-        return (f"onnxruntime {ort.__version__} offers {', '.join(available)} (install "
-                "onnxruntime-gpu on a machine with an NVIDIA GPU)")
-    from onnx import TensorProto, helper
-    x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]) for n in "xy")
-    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "probe", [x], [y])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    options = ort.SessionOptions()
-    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    try:  # enable_fallback=0: no retry on the CPU when CUDA fails to start
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=[CUDA],
-                                       enable_fallback=0)
-        session.run(None, {"x": np.ones(1, np.float32)})
-    except Exception as e:  # ORT's own types: missing CUDA libraries, no device, ...
-        return f"{CUDA} did not start: {_line(e)}"
-    return None
-
 
 def _line(error) -> str:
     """An exception's first line."""

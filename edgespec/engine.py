@@ -95,8 +95,9 @@ def _probe_cuda():
     graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [value],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     try:
-        open_session(helper.make_model(graph).SerializeToString(), "a probe", CUDA, 1)
-    except EdgespecError as e:
+        session = open_session(helper.make_model(graph).SerializeToString(), "a probe", CUDA, 1)
+        session.run(None, {"x": np.ones(1, np.float32)})
+    except Exception as e:  # ORT's own types too: no driver, no device, ...
         return f"onnxruntime-gpu's CUDA provider does not run here ({e})"
     return None
 

@@ -39,7 +39,7 @@ def run_script(*args):
 def test_without_a_cuda_device_it_says_so_in_one_line_and_exits_3(tmp_path):
     result = run_script("--out", tmp_path)
     assert result.returncode == gpu_check.NO_CUDA == 3
-    assert result.stdout.startswith("no CUDA device: onnxruntime ")
+    assert result.stdout.startswith("no CUDA device: this onnxruntime has no CUDA provider")
     assert result.stdout.count("\n") == 1 and result.stderr == ""
     assert list(tmp_path.iterdir()) == []  # nothing exported, no verdict
 
