@@ -26,16 +26,17 @@ from edgespec.errors import EdgespecError
 TABLE = Path(__file__).parent / "data" / "cuda_kernels.json"
 ONNX, MS = "ai.onnx", "com.microsoft"
 # the ops export emits: the rows of OperatorKernels.md the table keeps
-EXPORT_OPS = {ONNX: ("Add", "Cast", "Concat", "Gather", "Gelu", "Gemm", "Identity", "Less",
-                     "MatMul", "Max", "Min", "Mul", "ReduceSum", "Reshape",
-                     "SimplifiedLayerNormalization", "Slice", "Split", "Sub", "Unsqueeze",
-                     "Where"),
+EXPORT_OPS = {ONNX: ("Add", "Cast", "Concat", "Exp", "Gather", "Gelu", "Gemm", "Identity",
+                     "Less", "MatMul", "Max", "Min", "Mul", "Reciprocal",
+                     "ReduceSum", "Reshape", "SimplifiedLayerNormalization", "Slice", "Split",
+                     "Sub", "TopK", "Unsqueeze", "Where"),
               MS: ("GatherBlockQuantized", "GroupQueryAttention", "MatMulNBits", "QuickGelu",
                    "SkipSimplifiedLayerNormalization")}
 # inputs the CUDA kernels read from CPU memory (InputMemoryType(OrtMemTypeCPUInput, i) in
 # their kernel definitions): ONNX Runtime computes what feeds only these on the CPU
 CPU_INPUTS = {(ONNX, "Reshape"): {1}, (ONNX, "Slice"): {1, 2, 3, 4}, (ONNX, "Split"): {1},
-              (ONNX, "Unsqueeze"): {1}, (ONNX, "ReduceSum"): {1}, (MS, "GroupQueryAttention"): {6}}
+              (ONNX, "Unsqueeze"): {1}, (ONNX, "ReduceSum"): {1},
+              (ONNX, "TopK"): {1}, (MS, "GroupQueryAttention"): {6}}
 INTEGERS = {TensorProto.INT32, TensorProto.INT64}
 
 

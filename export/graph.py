@@ -536,7 +536,9 @@ def top_outputs(g, logits, rows):
     g.output(values, "top_values", np.float32, [1, rows, "k"])
     g.output(ids, "top_ids", np.int64, [1, rows, "k"])
     last = g.weight("axis_minus_1", np.array([-1]))
-    best = g.op("ReduceMax", [z, last], keepdims=1)
+    # the row's max is TopK's first value (ReduceMax's opset-20 schema has no CUDA kernel)
+    best = g.op("Slice", [values, g.weight("zero", np.array([0])), g.weight("one", np.array([1])),
+                          last])
     total = g.op("ReduceSum", [g.op("Exp", [g.op("Sub", [z, best])]), last], keepdims=0)
     g.output(g.op("Reciprocal", [total]), "top1_probability", np.float32, [1, rows])
 

@@ -28,12 +28,15 @@ SOURCE_BYTES = {"Q4_0": 0.64, "Q4_1": 0.66, "Q4_K": 0.66, "Q5_0": 1.16, "Q5_1": 
 # ... and by precision where the weights are quantized anew
 PRECISION_BYTES = {"int4": 0.64, "int8": 1.16, "fp16": 2.0, "fp32": 4.0}
 GB = 1e9
+# the longest context calibration and the gates run an engine at (short texts; the quality
+# passage), so theirs is the KV cache the peak holds, not the artifact's
+MEASURED_CONTEXT = 1024
 
 
 @dataclass
 class Estimate:
     artifact: int   # the artifact's weights on disk
-    running: int    # the artifact loaded, a sequence's KV cache, a reference layer, the process
+    running: int    # the artifact loaded, a short sequence's KV cache, a reference layer, the process
     build: int      # building the graphs
     source: int     # the source's weights held in memory (a GGUF is read a tensor at a time)
 
@@ -59,7 +62,8 @@ def estimate(source, precision, int4_scheme, max_context) -> Estimate:
     artifact = sum(n * (SOURCE_BYTES.get(types.get(name), PRECISION_BYTES[precision])
                         if name.endswith(".weight") and "norm" not in name else 4)
                    for name, n in sizes.items())
-    kv = 2 * a.num_layers * a.num_kv_heads * (max_context + 1) * a.head_dim * 4
+    kv = 2 * a.num_layers * a.num_kv_heads * (min(max_context, MEASURED_CONTEXT) + 1) * \
+        a.head_dim * 4
     layer = 4 * sum(n for name, n in sizes.items() if name.startswith("model.layers.0."))
     return Estimate(artifact=int(artifact),
                     running=int(RESIDENT * artifact + kv + 4 * max_context * a.hidden_size
@@ -107,8 +111,8 @@ def check_fits(need: Estimate, limit_gb=None, log=print):
         return
     fix = ("save the checkpoint as safetensors: they are read a tensor at a time" if need.source else
            "free memory or export on a machine with more: running the artifact needs about "
-           f"{size(need.running - PROCESS_BYTES)}, its weights and one sequence's KV cache "
-           "(--max-context lowers the cache)")
+           f"{size(need.running - PROCESS_BYTES)}, its weights and a short sequence's KV "
+           "cache")
     allowed = "are allowed" if limit_gb is not None else "are available"
     raise EdgespecError(f"this export needs about {size(need.peak)} of memory and "
                         f"{size(limit)} {allowed}; {fix}")
