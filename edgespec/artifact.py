@@ -21,7 +21,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 ARCH_NUMBERS = ("vocab_size", "hidden_size", "num_layers", "num_kv_heads", "head_dim")
 PAD_ROWS = 1  # zero rows each graph appends to its attention calls (engine.py says why)
 MAX_CONTEXT = 1 << 20  # beyond this a KV cache is too large for any device edgespec targets
-CHOICES = {"device": ("cpu", "cuda"), "activation_dtype": ("float32", "float16")}  # optional
+CHOICES = {"device": ("cpu", "cuda"), "activation_dtype": ("float32", "float16"),  # optional
+           "residual_dtype": ("float32", "float16")}
 DRAFT_POLICY = {"k": int, "lookup_k": int, "threshold": (int, float), "adaptive": bool}
 
 

@@ -232,9 +232,12 @@ class Engine:
         a = artifact.arch
         self.hidden_size, self.vocab_size = a["hidden_size"], a["vocab_size"]
         self.max_context = check_context(max_context, artifact.max_context)
-        self.dtype = NUMPY_DTYPE[self.sessions["upper"].get_inputs()[0].type]
+        # the graphs compute (KV caches, logits) in dtype; the hidden states they pass on are
+        # the residual stream, which a float16 artifact may keep in float32 (export/graph.py)
+        self.dtype = NUMPY_DTYPE[self.sessions["head"].get_outputs()[0].type]
+        self.state_dtype = NUMPY_DTYPE[self.sessions["upper"].get_inputs()[0].type]
         self.kv_shape = [1, a["num_kv_heads"], self.max_context + PAD_ROWS, a["head_dim"]]
-        self.final_states = self._alloc([1, CHUNK, self.hidden_size])  # by row of a call
+        self.final_states = self._alloc([1, CHUNK, self.hidden_size], self.state_dtype)
         self.cuts = gemm_cuts(a["head_dim"])
         # a sequence's KV buffers: every layer's of lower, upper and the draft graph
         self.kv_names = [name for s in self.sessions if s != "head" for name in self._past_names(s)]
@@ -256,8 +259,9 @@ class Engine:
         self._calls = {key: call for key, call in self._calls.items() if key[0] not in graphs}
         return_freed_memory()
 
-    def _alloc(self, shape):
-        return ort.OrtValue.ortvalue_from_shape_and_type(shape, self.dtype, self.device, 0)
+    def _alloc(self, shape, dtype=None):
+        return ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype or self.dtype,
+                                                         self.device, 0)
 
     def _past_names(self, graph):
         return [i.name for i in self.sessions[graph].get_inputs() if i.name.startswith("past_")]
@@ -274,10 +278,10 @@ class Engine:
 
     def bytes_for_context(self, context: int) -> int:
         """The memory a sequence of `context` positions would hold."""
-        item = np.dtype(self.dtype).itemsize
-        per_kv = int(np.prod(self.kv_shape[:2] + self.kv_shape[3:])) * item
-        buffers = len(self.kv_names)
-        return buffers * per_kv * (context + PAD_ROWS) + context * self.hidden_size * item
+        kv_row = int(np.prod(self.kv_shape[:2] + self.kv_shape[3:]))
+        per_kv = kv_row * np.dtype(self.dtype).itemsize
+        states = context * self.hidden_size * np.dtype(self.state_dtype).itemsize
+        return len(self.kv_names) * per_kv * (context + PAD_ROWS) + states
 
     def use(self, seq: "Sequence"):
         """Make `seq` the sequence the single-sequence methods run on."""
@@ -311,8 +315,8 @@ class Engine:
 
     def _bind_rows(self, bind, name, states: ort.OrtValue, first: int, count: int):
         """Bind rows [first, first+count) of a hidden-state buffer, in place, by pointer."""
-        offset = first * self.hidden_size * np.dtype(self.dtype).itemsize
-        bind(name, self.device, 0, self.dtype, [1, count, self.hidden_size],
+        offset = first * self.hidden_size * np.dtype(self.state_dtype).itemsize
+        bind(name, self.device, 0, self.state_dtype, [1, count, self.hidden_size],
              states.data_ptr() + offset)
 
     def _layer_call(self, graph, count):
@@ -633,10 +637,10 @@ class Sequence:
         self.kv = {name: engine._alloc(kv_shape) for name in engine.kv_names}
         shape = [1, positions, engine.hidden_size]
         if engine.device == "cpu":  # a host array the batch graphs' rows are copied into
-            self.exit_host = _host_array(shape[1:], engine.dtype)
+            self.exit_host = _host_array(shape[1:], engine.state_dtype)
             self.exit_states = ort.OrtValue.ortvalue_from_numpy(self.exit_host[None])
         else:
-            self.exit_host, self.exit_states = None, engine._alloc(shape)
+            self.exit_host, self.exit_states = None, engine._alloc(shape, engine.state_dtype)
         self.lower_len = self.upper_len = 0  # valid positions in each KV cache
         self.draft_len = 0  # positions the draft graph's adapter has seen
         self.tokens = []  # the token at each position lower has run
@@ -669,7 +673,8 @@ class _BatchGraphs:
         self.artifact, self.provider = engine.artifact, engine.provider
         self.sessions, self.calls = {}, {}
         shape = [CHUNK, engine.hidden_size]
-        self.exit_host, self.final_host = (_host_array(shape, engine.dtype) for _ in range(2))
+        self.exit_host, self.final_host = (_host_array(shape, engine.state_dtype)
+                                           for _ in range(2))
         self.exit = ort.OrtValue.ortvalue_from_numpy(self.exit_host[None])
         self.final = ort.OrtValue.ortvalue_from_numpy(self.final_host[None])
         # idle slots: a cache of two positions, written and never read
@@ -686,7 +691,8 @@ class _BatchGraphs:
         key = (graph, slots, rows)
         if key not in self.calls:
             self.calls[key] = _BatchCall(self, self.session(engine, graph, slots), graph,
-                                         slots, rows, engine.hidden_size, engine.dtype)
+                                         slots, rows, engine.hidden_size,
+                                         engine.state_dtype)
         return self.calls[key]
 
 

@@ -9,6 +9,10 @@ The hidden states passed between graphs are the residual stream (before any norm
 draft (head on h_E) and the verifier (head on h_N) share one head. Blocks use ONNX Runtime's
 LLM ops: GroupQueryAttention (rotary inside; past and present bound to one preallocated
 buffer), MatMulNBits (int4), SimplifiedLayerNormalization and its Skip variant.
+
+A graph computes in one float type (its dtype: the KV cache, attention, linear layers,
+logits); the residual stream may be kept in another (residual_dtype: float32 around float16
+layers, for models whose stream passes float16's range). The norms convert between them.
 """
 import hashlib
 
@@ -36,10 +40,12 @@ ONNX_DTYPE = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): Ten
 class Graph:
     """Nodes, inputs, outputs and initializers of one ONNX graph under construction."""
 
-    def __init__(self, name: str, dtype=np.float32, files=None):
+    def __init__(self, name: str, dtype=np.float32, files=None, residual_dtype=None):
         """files: the artifact's WeightFiles (export/writer.py), which take each weight to
-        disk as it is named; without them the graph keeps its weights in memory."""
+        disk as it is named; without them the graph keeps its weights in memory.
+        residual_dtype: the residual stream's float type (default: dtype)."""
         self.name, self.dtype, self.files = name, np.dtype(dtype), files
+        self.residual_dtype = np.dtype(residual_dtype or dtype)
         self.nodes, self.inputs, self.outputs = [], [], []
         # name -> numpy array, or (Stored, shape) once on disk (names are shared across graphs)
         self.initializers = {}
@@ -55,17 +61,30 @@ class Graph:
         self.op("Identity", [value], outputs=[name])
         self.outputs.append(helper.make_tensor_value_info(name, ONNX_DTYPE[np.dtype(elem)], shape))
 
-    def weight(self, name, array, cast=True):
-        """An initializer; float weights stored in another dtype get a Cast (folded at load).
-        Shape constants (int64) stay in the graph, for shape inference."""
+    def weight(self, name, array, cast=True, dtype=None):
+        """An initializer; float weights stored in another dtype than `dtype` (default: the
+        graph's) get a Cast (folded at load). Shape constants (int64) stay in the graph, for
+        shape inference."""
         if self.files is None or array.dtype == np.int64:
             self.initializers[name] = np.ascontiguousarray(array)
         else:
             self.initializers[name] = (self.files.put(name, array, f"{self.name}.data"),
                                        array.shape)
-        if cast and array.dtype.kind == "f" and array.dtype != self.dtype:
-            return self.op("Cast", [name], to=ONNX_DTYPE[self.dtype])
+        dtype = np.dtype(dtype or self.dtype)
+        if cast and array.dtype.kind == "f" and array.dtype != dtype:
+            return self.op("Cast", [name], to=ONNX_DTYPE[dtype])
         return name
+
+    def to_residual(self, x):
+        """x, computed in the graph's dtype, in the residual stream's."""
+        return self._cast(x, self.dtype, self.residual_dtype)
+
+    def from_residual(self, x):
+        """x, in the residual stream's dtype, in the graph's."""
+        return self._cast(x, self.residual_dtype, self.dtype)
+
+    def _cast(self, x, have, want):
+        return x if have == want else self.op("Cast", [x], to=ONNX_DTYPE[want])
 
     def op(self, op_type, inputs, outputs=None, n_out=1, domain=None, **attrs):
         self._count += 1
@@ -98,11 +117,14 @@ def by_block(g, x, k, block):
 class Blocks:
     """The model's math, one method per block, for a given architecture and precision."""
 
-    def __init__(self, arch, weights, precision, max_context, head_bits=8, source_grid=None):
+    def __init__(self, arch, weights, precision, max_context, head_bits=8, source_grid=None,
+                 residual_dtype=None):
         """source_grid: name -> the source's own quantized weight (SourceWeight) or None
         (int4 scheme "source"): those weights keep the file's grid; the others, and every
-        weight without it, are rounded to zero points (int4) or 8 bits."""
+        weight without it, are rounded to zero points (int4) or 8 bits. residual_dtype: the
+        residual stream's float type, if not the graphs' own (Graph)."""
         self.arch, self.w, self.precision, self.max_context = arch, weights, precision, max_context
+        self.residual_dtype = residual_dtype
         self.head_bits, self.source_grid = head_bits, source_grid
         self.store = np.float16 if precision == "fp16" else np.float32
         # MatMulNBits weights: 4 bits (int4) or 8 (int8: every linear layer and the table)
@@ -225,16 +247,20 @@ class Blocks:
         w = self.w[name + ".weight"]
         return w + np.float32(self.arch.norm_offset) if self.arch.norm_offset else w
 
-    def rms_norm(self, g, x, name):
-        return g.op("SimplifiedLayerNormalization", [x, g.weight(name, self.norm_weight(name))],
-                    axis=-1, epsilon=self.arch.rms_norm_eps, stash_type=1)
+    def rms_norm(self, g, x, name, out=None):
+        """norm(x) in the float type `out` (default: the graph's dtype), whatever x's."""
+        scale = g.weight(name, self.norm_weight(name), dtype=out)  # the op's output type
+        return g.op("SimplifiedLayerNormalization", [x, scale], axis=-1,
+                    epsilon=self.arch.rms_norm_eps, stash_type=1)
 
     def skip_rms_norm(self, g, x, residual, name):
-        """(norm(x + residual), x + residual) in one op."""
-        normed, _, _, total = g.op("SkipSimplifiedLayerNormalization",
-                                   [x, residual, g.weight(name, self.norm_weight(name))], n_out=4,
-                                   domain=MS, epsilon=self.arch.rms_norm_eps)
-        return normed, total
+        """(norm(x + residual), x + residual) in one op, on the residual stream; the norm
+        comes back in the graph's dtype."""
+        normed, _, _, total = g.op(
+            "SkipSimplifiedLayerNormalization",
+            [x, residual, g.weight(name, self.norm_weight(name), dtype=g.residual_dtype)],
+            n_out=4, domain=MS, epsilon=self.arch.rms_norm_eps)
+        return g.from_residual(normed), total
 
     def head_norms(self, g, qkv, layer):
         """Gemma's RMSNorm over each head's q and k (before rotary), on the packed QKV."""
@@ -346,12 +372,17 @@ class Blocks:
                 x, residual = self.skip_rms_norm(g, mlp_out, residual, p + "input_layernorm")
             attn = self.attention(g, x, layer, lengths, *rotary[self.local_rope(layer)])
             if a.sandwich_norms:  # Gemma: norm after attention, then before and after the MLP
-                attn = self.rms_norm(g, attn, p + "post_attention_layernorm")
+                attn = self.rms_norm(g, attn, p + "post_attention_layernorm", g.residual_dtype)
+            else:
+                attn = g.to_residual(attn)
             x, residual = self.skip_rms_norm(g, attn, residual, p + (
                 "pre_feedforward_layernorm" if a.sandwich_norms else "post_attention_layernorm"))
             mlp_out = self.mlp(g, x, layer)
             if a.sandwich_norms:
-                mlp_out = self.rms_norm(g, mlp_out, p + "post_feedforward_layernorm")
+                mlp_out = self.rms_norm(g, mlp_out, p + "post_feedforward_layernorm",
+                                        g.residual_dtype)
+            else:
+                mlp_out = g.to_residual(mlp_out)
             yield
         return g.op("Add", [mlp_out, residual])
 
@@ -390,11 +421,12 @@ class Blocks:
         return (None, source) if source is not None else (self.w[tensor], None)
 
     def embedding(self, g, ids):
-        rows = self._embedding_rows(g, ids)
+        """The residual stream's first values: the embedding rows of `ids`."""
+        rows = g.to_residual(self._embedding_rows(g, ids))
         if not self.arch.embedding_scale:
             return rows
         # Gemma scales embeddings by sqrt(hidden), rounded to float32 as transformers does
-        scale = np.array(self.arch.embedding_scale, np.float32).astype(g.dtype)
+        scale = np.array(self.arch.embedding_scale, np.float32).astype(g.residual_dtype)
         return g.op("Mul", [rows, g.weight("embedding_scale", scale, cast=False)])
 
     def _embedding_rows(self, g, ids):
@@ -506,7 +538,7 @@ def build_lower(blocks: Blocks, exit_layer: int, dtype, slot_counts=(1,), files=
 def build_upper(blocks: Blocks, exit_layer: int, dtype, slot_counts=(1,), files=None) -> list:
     """upper.onnx (one slot) and its batch graphs (several), built side by side."""
     def exit_states(g):
-        return g.input("exit_hidden", dtype, [1, "seq", blocks.arch.hidden_size])
+        return g.input("exit_hidden", g.residual_dtype, [1, "seq", blocks.arch.hidden_size])
     return _side_by_side(blocks, "upper", slot_counts, dtype, files, exit_states, exit_layer,
                          blocks.arch.num_layers, "final_hidden")
 
@@ -516,12 +548,12 @@ def _side_by_side(blocks, name, slot_counts, dtype, files, stream, first, last, 
     in lockstep so that each layer's weights are made once for all of them."""
     graphs, builds = [], []
     for slots in slot_counts:
-        g = Graph(batch_name(name, slots), dtype, files)
+        g = Graph(batch_name(name, slots), dtype, files, blocks.residual_dtype)
         g.shares_weights = slots > 1
         graphs.append(g)
         builds.append(blocks.layer_steps(g, stream(g), first, last, Lengths(g, slots)))
     for g, out in zip(graphs, blocks.lockstep(builds)):
-        g.output(out, output, g.dtype, [1, "seq", blocks.arch.hidden_size])
+        g.output(out, output, g.residual_dtype, [1, "seq", blocks.arch.hidden_size])
     return graphs
 
 
@@ -547,8 +579,8 @@ def build_draft(blocks: Blocks, adapter: bool, vocab, dtype, files=None) -> Grap
     """Draft logits for the last of the given exit states: through the exit adapter (stored
     in `blocks` as decoder layer N, with its own KV cache) when there is one, then the
     final norm and the lm_head rows of `vocab` (None: all); on CUDA its top_outputs too."""
-    g = Graph("draft", dtype, files)
-    hidden = g.input("exit_hidden", dtype, [1, "seq", blocks.arch.hidden_size])
+    g = Graph("draft", dtype, files, blocks.residual_dtype)
+    hidden = g.input("exit_hidden", g.residual_dtype, [1, "seq", blocks.arch.hidden_size])
     if adapter:
         n = blocks.arch.num_layers
         hidden = blocks.layers(g, hidden, n, n + 1, Lengths(g))
@@ -564,8 +596,8 @@ def build_draft(blocks: Blocks, adapter: bool, vocab, dtype, files=None) -> Grap
 def build_head(blocks: Blocks, dtype, files=None) -> Graph:
     """Logits for the chosen rows of a hidden sequence (prefill needs only the last); on
     CUDA their top_outputs too."""
-    g = Graph("head", dtype, files)
-    hidden = g.input("hidden", dtype, [1, "seq", blocks.arch.hidden_size])
+    g = Graph("head", dtype, files, blocks.residual_dtype)
+    hidden = g.input("hidden", g.residual_dtype, [1, "seq", blocks.arch.hidden_size])
     rows = g.input("rows", np.int64, ["rows"])
     picked = g.op("Gather", [hidden, rows], axis=1)
     logits = blocks.lm_head(g, blocks.rms_norm(g, picked, "model.norm"))

@@ -27,6 +27,8 @@ PRECISIONS = ("auto", "int4", "int8", "fp16", "fp32")
 # int4 follows these too loosely on the quality gate (top-1 against the float model on the
 # quality passage), int8 closely (DESIGN.md has the numbers)
 INT8_BY_DEFAULT = ("gemma3",)
+# their residual stream passes float16's range (65504): float16 exports keep it in float32
+FP32_RESIDUAL = ("gemma3",)
 HEAD_BITS = (8, 4, "mixed")
 DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_ADAPTER_MINUTES = 8.0
@@ -141,6 +143,7 @@ class _Plan:
     device: str
     dtype: type         # activations: fp32 on CPU (fast int4 kernels), fp16 on CUDA (its
     #                     GroupQueryAttention needs it)
+    residual_dtype: type  # the residual stream's: dtype's, or fp32 where it overflows fp16
     adapter: object
     out: Path
 
@@ -176,9 +179,13 @@ def _plan(source, out, exit_layer, precision, max_context, device, adapter, int4
     max_context = max_context or min(DEFAULT_MAX_CONTEXT, arch.max_position_embeddings)
     check_options(arch, exit_layer, max_context, precision)
     suffix = f"-{precision}" if precision in ("fp16", "fp32") else ""
-    return _Plan(precision, exit_layer, auto, max_context, device,
-                 np.float16 if device == "cuda" else np.float32, adapter,
-                 Path(out or Path("models") / (source.name + suffix)))
+    dtype = np.float16 if device == "cuda" else np.float32
+    residual_dtype = np.float32 if arch.model_type in FP32_RESIDUAL else dtype
+    if residual_dtype != dtype:
+        log(f"float16 activations with the residual stream in float32: {arch.model_type}'s "
+            "passes float16's range")
+    return _Plan(precision, exit_layer, auto, max_context, device, dtype, residual_dtype,
+                 adapter, Path(out or Path("models") / (source.name + suffix)))
 
 
 @contextlib.contextmanager
@@ -203,7 +210,7 @@ def _build(source, plan, partial, int4_scheme, head_bits, gptq, log) -> "Artifac
     # (a GGUF's are read-only, dequantized on lookup)
     source_grid = source.weights.quantized if int4_scheme == "source" else None
     blocks = Blocks(source.arch, ChainMap({}, source.weights), plan.precision,
-                    plan.max_context, head_bits, source_grid)
+                    plan.max_context, head_bits, source_grid, plan.residual_dtype)
     gptq = gptq and plan.precision == "int4" and int4_scheme == "zp"
     if gptq:
         quantize_layers(blocks, source, instructions()[0], log)
@@ -213,6 +220,7 @@ def _build(source, plan, partial, int4_scheme, head_bits, gptq, log) -> "Artifac
         "architecture": source.arch.to_dict(),
         "precision": plan.precision,
         "activation_dtype": np.dtype(plan.dtype).name,
+        "residual_dtype": np.dtype(plan.residual_dtype).name,
         "device": plan.device,
         "max_context": plan.max_context,
         "eos_token_ids": source.eos_token_ids,

@@ -226,3 +226,29 @@ def test_export_measures_fidelity_of_greedy_answers(tiny_fp32, tiny_int4):
     assert fp32["first16_equal"] == n and fp32["top1_agreement"] == 1.0
     assert int4["top1_agreement"] < 1.0 and int4["first16_equal"] < n
     assert fp32["reference_right"] == int4["reference_right"] <= n
+
+
+def test_cuda_graphs_keep_a_residual_stream_past_fp16s_range(tmp_path):
+    # Gemma 3's residual stream passes fp16's 65504; this tiny one's post-MLP norms scale it
+    # past that too, so fp16 graphs would carry inf
+    from safetensors.numpy import load_file, save_file
+    checkpoint = make_checkpoint(tmp_path / "ckpt", arch="gemma3")
+    weights = load_file(checkpoint / "model.safetensors")
+    for name in weights:
+        if name.endswith("post_feedforward_layernorm.weight"):
+            weights[name] += np.float32(40000)
+    save_file(weights, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    ids = [int(t) for t in np.random.default_rng(0).integers(5, 300, 40)]
+    logits = {}
+    for device in ("cpu", "cuda"):
+        export_model(str(checkpoint), tmp_path / device, device=device, log=quiet)
+        engine = edgespec.load(tmp_path / device, device="cpu").engine
+        engine.lower(np.array(ids))
+        engine.upper(len(ids))
+        states = engine.final_states.numpy()[0, :len(ids)]
+        assert np.abs(states).max() > 65504 and np.isfinite(states).all(), device
+        logits[device] = engine.head(engine.final_states, range(len(ids))).astype(np.float32)
+    manifest = json.loads((tmp_path / "cuda" / "manifest.json").read_text())
+    assert (manifest["activation_dtype"], manifest["residual_dtype"]) == ("float16", "float32")
+    # what is left is the fp16 layers' own rounding
+    np.testing.assert_allclose(logits["cuda"], logits["cpu"], rtol=0, atol=0.5)

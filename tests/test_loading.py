@@ -146,6 +146,7 @@ FIELD_CASES = [
     ("batch_round_costs", {"3": {"3": 1.5}}), ("batch_round_costs", {"2": {"2": 0}}),
     ("batch_round_costs", {"2": {}}), ("batch_round_costs", [1.5]),
     ("sampling", [0.8]), ("sampling", {"temperature": -1}), ("sampling", {"beams": 2}),
+    ("residual_dtype", "bfloat16"),
 ]
 
 

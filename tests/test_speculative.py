@@ -277,11 +277,15 @@ def test_rollback_forgets_rejected_drafts_in_place(tiny_model):
     assert engine.exit_states.data_ptr() == exit_states
 
 
-def test_fp16_graphs_built_for_cuda_run_lossless_on_the_cpu(tiny_checkpoint, tmp_path):
-    # the CUDA export (fp16 activations) is checked here on the CPU EP, which runs it too
-    export_model(str(tiny_checkpoint), tmp_path / "cuda", device="cuda", log=quiet)
+@pytest.mark.parametrize("arch, residual", [("llama", np.float16), ("gemma3", np.float32)])
+def test_fp16_graphs_built_for_cuda_run_lossless_on_the_cpu(arch, residual, tmp_path):
+    # the CUDA export (fp16 activations; Gemma 3's residual stream in fp32) is checked here
+    # on the CPU EP, which runs it too
+    checkpoint = make_checkpoint(tmp_path / "ckpt", arch=arch)
+    export_model(str(checkpoint), tmp_path / "cuda", device="cuda", log=quiet)
     model = edgespec.load(tmp_path / "cuda", device="cpu")
     assert model.engine.dtype == np.float16
+    assert model.engine.state_dtype == residual
     model.stop_ids = set()
     for seed in range(3):
         plain = model.generate_ids(prompt(seed), 30, mode="plain")
