@@ -45,6 +45,7 @@ from .errors import EdgespecError
 from .sampling import ranked, row_top
 
 CHUNK = 256  # the most positions one call handles (prefill is cut into chunks)
+HEAD_ROWS = 64  # the most rows of a head call kept bound for reuse
 COST_ROWS = (1, 2, 3, 4, 6, 8, 16, 32)  # the rows of a round whose cost round_costs measures
 BATCH_ROWS = (1, 2, 3, 4, 6, 8)  # rows per sequence of the batch rounds it measures
 COSTS_STEPS = 150  # about what one repeat of every round measured costs, in plain steps
@@ -222,6 +223,7 @@ class Engine:
         """max_context: the positions a sequence holds, at most the artifact's (default)."""
         self.artifact = artifact
         self.provider = choose_provider(artifact, device)
+        return_freed_memory()  # an engine let go before this one must not lie under it
         self.device = "cuda" if self.provider == CUDA else "cpu"
         self.threads = set_threads(threads)  # what it runs with, whatever `threads` asked
         self.sessions = {}
@@ -241,7 +243,7 @@ class Engine:
         self.cuts = gemm_cuts(a["head_dim"])
         # a sequence's KV buffers: every layer's of lower, upper and the draft graph
         self.kv_names = [name for s in self.sessions if s != "head" for name in self._past_names(s)]
-        self._calls = {}
+        self._calls, self._spaces = {}, {}
         self.host_bytes = 0  # what the host has read of the heads' outputs (from a GPU: copied)
         self._threads = threads
         self._batch = None  # the batch graphs' sessions and buffers, made when first used
@@ -355,7 +357,7 @@ class Engine:
         binding.bind_ortvalue_input("rows", ort.OrtValue.ortvalue_from_numpy(host["rows"]))
         call = _Call(session, binding, host)
         self._bind_logits(call, rows, self.vocab_size)
-        if rows <= 64:
+        if rows <= HEAD_ROWS:
             self._calls[key] = call
         return call
 
@@ -364,7 +366,10 @@ class Engine:
         a copy from a GPU) and its top_outputs, where the graph has them, on the host."""
         shape = [1, rows, vocab]
         if self.device == "cpu":
-            call.host["logits"] = np.zeros(shape, self.dtype)
+            # calls kept for reuse write into one buffer per width: a buffer each would hold
+            # a row count's logits apiece (hundreds of MB with a large vocabulary)
+            call.host["logits"] = self._logits_space(vocab)[:, :rows] if rows <= HEAD_ROWS \
+                else np.zeros(shape, self.dtype)
             call.logits = ort.OrtValue.ortvalue_from_numpy(call.host["logits"])
         else:
             call.logits = ort.OrtValue.ortvalue_from_shape_and_type(shape, self.dtype,
@@ -385,6 +390,12 @@ class Engine:
             call.host[name] = np.zeros([1, rows, k], dtype)
             call.binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(
                 call.host[name]))
+
+    def _logits_space(self, vocab) -> np.ndarray:
+        """The host logits buffer [1, HEAD_ROWS, vocab] the kept head calls share."""
+        if vocab not in self._spaces:
+            self._spaces[vocab] = _host_array([1, HEAD_ROWS, vocab], self.dtype)
+        return self._spaces[vocab]
 
     def _logits(self, call) -> np.ndarray:
         """A head call's logits on the host [1, rows, vocab]."""
@@ -469,7 +480,7 @@ class Engine:
         self.upper_len += count
 
     def head(self, states: ort.OrtValue, rows):
-        """Logits [len(rows), vocab] (a host array, reused by the next call) for rows of
+        """Logits [len(rows), vocab] (a host array the next head call overwrites) for rows of
         `states`: positions of exit_states (draft) or rows of final_states (verifier)."""
         return self._logits(self._run_head(states, rows))[0]
 
