@@ -97,7 +97,8 @@ def _export_args(sub, common):
     p.add_argument("--max-context", type=int, default=None,
                    help="tokens the KV cache holds (default: min(4096, the model's limit))")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="where the artifact will run: cpu (fp32 activations) or cuda (fp16)")
+                   help="where the artifact will run: cpu (fp32 activations) or cuda (fp16; "
+                   "without CUDA here, what runs the artifact is skipped)")
     p.add_argument("--threads", type=_positive, default=None,
                    help="CPU threads the draft policy and the round costs are measured at, "
                    "recorded in the manifest; a runtime with another count measures the "
@@ -386,8 +387,9 @@ def _desktop(args):
 
 def _runtime_args(p):
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="execution provider (default: CUDA if the artifact was built for it "
-                   "and onnxruntime-gpu sees a GPU, else CPU)")
+                   help="execution provider (default: the one the artifact was built for; "
+                   "a cuda artifact where CUDA does not run is refused, cpu runs it there "
+                   "slowly)")
     p.add_argument("--threads", type=_positive, default=None,
                    help="CPU threads, >= 1 (default: one per CPU this process may use)")
     p.add_argument("--no-verify", action="store_true",

@@ -231,6 +231,8 @@ class Engine:
             path = artifact.graph(name)
             self.sessions[name] = open_session(str(path), path, self.provider, threads)
         _check_graphs(artifact, self.sessions)
+        # the heads give their top candidates (CUDA artifacts): read once, asked every round
+        self._top_graphs = _has_top(self.sessions["head"])
         a = artifact.arch
         self.hidden_size, self.vocab_size = a["hidden_size"], a["vocab_size"]
         self.max_context = check_context(max_context, artifact.max_context)
@@ -411,20 +413,21 @@ class Engine:
     def computes_top(self, k: int, draft: bool = False) -> bool:
         """Whether the head (the draft head) gives a row's k largest logits and the tie
         after them on the device: a CUDA artifact's graphs do, for k below the vocabulary."""
-        session = self.sessions["draft" if draft and "draft" in self.sessions else "head"]
-        vocab = len(self.draft_vocab) if draft and "draft" in self.sessions else self.vocab_size
-        return _has_top(session) and k < vocab
+        draft = draft and "draft" in self.sessions
+        return self._top_graphs and k < (len(self.draft_vocab) if draft else self.vocab_size)
 
     def _ranked_rows(self, call, k, rows) -> list:
         """ranked() of each row's k largest logits with the ties of the k-th, from the
         graph's k + 1 largest; a row whose ties run past them reads its whole row."""
         values, ids = self._top(call, "top_values")[0], self._top(call, "top_ids")[0]
-        out = []
+        out, logits = [], None
         for row in range(rows):
             if values[row, k] < values[row, k - 1]:
                 out.append(ranked(values[row, :k], ids[row, :k]))
-            else:
-                out.append(row_top(self._logits(call)[0, row].astype(np.float32), k))
+                continue
+            if logits is None:  # one copy for the call's tied rows
+                logits = self._logits(call)[0]
+            out.append(row_top(logits[row].astype(np.float32), k))
         return out
 
     # -- the three graphs ------------------------------------------------------------------
@@ -487,7 +490,8 @@ class Engine:
     def head_top(self, states: ort.OrtValue, rows, k: int) -> list:
         """For each of the rows (where computes_top(k)), ranked() of its k largest logits
         and every tie of the k-th: only those cross from a GPU, not the logits."""
-        return self._ranked_rows(self._run_head(states, rows, k + 1), k, len(list(rows)))
+        rows = list(rows)
+        return self._ranked_rows(self._run_head(states, rows, k + 1), k, len(rows))
 
     def _run_head(self, states, rows, top=1) -> _Call:
         """Run the head on `rows` of `states`, its TopK (if any) giving `top` a row."""
