@@ -204,12 +204,12 @@ def _run_batch(model, prompts, mode, parallel) -> dict:
         decode_s = sum(g.decode_s for g in results)
     else:
         batch = model.batch(parallel)
-        members = [batch.add(ids, settings.with_options(mode=mode)) for ids, settings in prompts]
+        requests = [batch.add(ids, settings.with_options(mode=mode)) for ids, settings in prompts]
         began = time.perf_counter()
         for _ in batch.run():
             pass
         decode_s = time.perf_counter() - began - batch.prompt_seconds
-        results = [m.result for m in members]
+        results = [m.result for m in requests]
     return {"replies": [g.tokens for g in results],
             "aggregate_decode_tok_s": sum(g.n_generated - 1 for g in results) / decode_s,
             "per_sequence_tok_s": statistics.median(g.decode_tokens_per_s for g in results),

@@ -58,7 +58,7 @@ class ChatSession:
             self.say(HELP)
         elif name == "reset":
             self.messages = self._fresh()
-            self.model.engine.reset()
+            self.model.sequence.rollback(0)
             self.say("[conversation cleared]")
         elif name == "stats":
             self.say(self._stats())
@@ -83,7 +83,7 @@ class ChatSession:
 
     def _stats(self) -> str:
         engine = self.model.engine
-        cache = f"cache {len(engine.cached_tokens())}/{engine.max_context} tokens"
+        cache = f"cache {len(self.model.sequence.cached_tokens())}/{engine.max_context} tokens"
         if self.last is None:
             return f"[no reply yet; {cache}]"
         r = self.last

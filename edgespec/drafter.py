@@ -1,15 +1,13 @@
-"""The drafter interface: what the decode loop asks of a way to guess the next tokens.
+"""The drafter interface: what the decode round (rounds.py) asks of a way to guess the next
+tokens. A drafter only proposes; the round runs the engine.
 
-A round starts from the last committed token t. Each round the loop asks every drafter for
-an offer for this position within a budget (how many drafts at most, and the committed
-tokens it expects per unit of cost, a plain step being 1 token for 1); it takes the best
-offer, has that drafter feed t and its drafts through the lower layers, verifies them with
-the full model, and tells the drafter what was accepted and what the round took. Without
-an offer the round is a plain step. Plain decoding is the loop with no drafters.
-
-Costs are in plain steps, from `Pace`: the artifact's measured cost of a round by rows
-(for drafters that plan) and plain decoding's measured seconds a token (for drafters that
-time themselves). A drafter changes the speed, never the output: the verifier decides.
+Each round the round asks every drafter of a sequence for an offer after its history
+within a budget (how many drafts at most): lookup offers the drafts it copied and the
+chance that each is accepted, for the planner to weigh against the round's measured cost;
+the early exit offers how many it would draw (its k, from its timing) and draws them in the
+round from the draft head's logits (EarlyExit.next_draft). After the verifier decided, the
+drafter hears what was accepted and what the round took. Without an offer the round is a
+plain step. A drafter changes the speed, never the output: the verifier decides.
 """
 from dataclasses import dataclass
 
@@ -25,51 +23,41 @@ ROUND_COSTS = {1: 1.0, 2: 1.14, 3: 1.41, 4: 1.61, 5: 1.84, 6: 2.02, 8: 2.38}
 class Offer:
     drafter: "Drafter"
     k: int              # the most drafts it would make this round (>= 1)
-    value: float = 0.0  # expected committed tokens per plain step of cost (0: not known)
-    plan: object = None  # the drafter's own notes for the round it offers
+    value: float = 0.0  # a timed drafter's measured tokens per plain step (0: not known)
+    tokens: tuple = ()  # the drafts, when known before the round (lookup's copies)
+    chances: tuple = ()  # chances[j]: that drafts 0..j are all accepted; given, the planner
+    #                      chooses how many of the k to verify, else all k are
+    plan: object = None  # the drafter's own notes for `observe`
 
 
 class Drafter:
-    """Subclasses set `name` and implement the four methods; `from_policy` makes one for a
-    draft policy (None when the policy turns it off)."""
+    """Subclasses set `name` and implement `offer`; `from_policy` makes one for a draft
+    policy (None when the policy turns it off)."""
     name = ""
 
     @classmethod
-    def from_policy(cls, policy, engine, pace) -> "Drafter":
+    def from_policy(cls, policy, pace) -> "Drafter":
         raise NotImplementedError
 
     def new_text(self, sampled: bool):
         """A new generation begins (sampled: the verifier samples rather than argmaxes)."""
 
     def for_text(self, owner=None) -> "Drafter":
-        """The drafter for one more text decoded beside the others (a batch): itself when
-        what it keeps is the model's, a twin with the text's own state otherwise. What it
-        keeps of earlier texts is shared only between texts of one `owner` (None: the
-        model's own)."""
+        """The drafter for one more text decoded beside others: itself when what it keeps
+        is the model's, a twin with the text's own state otherwise. What it keeps of earlier
+        texts is shared only between texts of one `owner` (None: the model's own)."""
         return self
 
     def end_text(self):
-        """A text decoded beside others (see for_text) has ended."""
+        """A text (see for_text) has ended."""
 
     def offer(self, history: list, budget: int) -> Offer:
         """What it would draft after `history` (at most `budget` tokens), or None."""
         raise NotImplementedError
 
-    def candidates(self, history: list, budget: int):
-        """For a batch round, which plans the drafts of many sequences at once and runs
-        them in one call: (drafts, chances, offer_for) for up to `budget` drafts made
-        without the engine. chances[j]: the chance that drafts 0..j are all accepted (the
-        tokens draft j adds, expected); offer_for(k): the offer of the first k, for
-        `observe`. ([], [], None) when it has none or cannot draft in a batch."""
-        return [], [], None
-
-    def draft(self, offer: Offer, history: list, sampler, timer) -> list:
-        """Feed history[-1] and the drafts through the engine's lower layers; the drafts.
-        timer.charge(part) books the time since the last charge to a part of the step."""
-        raise NotImplementedError
-
-    def observe(self, offer: Offer, drafted: int, accepted: int, seconds: float):
-        """What the verifier accepted of the round's drafts, and the round's seconds."""
+    def observe(self, offer: Offer, drafted: int, accepted: int, seconds):
+        """What the verifier accepted of the round's drafts, and the round's seconds (None
+        when the round decoded other sequences too: its time is not this text's)."""
 
     def forget(self):
         """Drop what it keeps of earlier texts (their replies); what it measured of the
@@ -81,16 +69,12 @@ def average(mean, value):
 
 
 class Pace:
-    """The yardsticks drafters are judged by (one per loaded model and draft policy)."""
+    """Plain decoding's measured speed, the yardstick a timed drafter is judged by (one per
+    loaded model and draft policy)."""
 
-    def __init__(self, round_costs: dict = None):
-        self.measured = round_costs or ROUND_COSTS
+    def __init__(self):
         self.plain_s, self.plain_steps = None, 0  # seconds a plain step, steps measured
         self.produced = 0  # tokens committed, all generations
-
-    def costs(self, most: int) -> list:
-        """A round's cost in plain steps for 0..most rows (index: rows)."""
-        return costs_by_rows(self.measured, most)
 
     def record(self, committed: int, seconds: float, plain: bool):
         self.produced += committed
@@ -101,6 +85,22 @@ class Pace:
     @property
     def probed(self) -> bool:
         return self.plain_steps >= PROBE_STEPS
+
+
+class RoundCosts:
+    """What a round costs by rows, in plain steps, as the artifact measured it: for one
+    sequence on the single-sequence graphs, and for 2 to 8 on the batch graphs."""
+
+    def __init__(self, measured: dict, most: int):
+        self.single = costs_by_rows(measured.get("round_costs") or ROUND_COSTS, most)
+        self.batch = {int(slots): costs_by_rows({1: 1.0, **by_rows}, most)
+                      for slots, by_rows in (measured.get("batch_round_costs") or {}).items()}
+
+    def for_sequences(self, n: int) -> list:
+        """The cost by rows of a round of n sequences (index: rows), None when not measured."""
+        if n == 1:
+            return self.single
+        return next((self.batch[s] for s in sorted(self.batch) if s >= n), None)
 
 
 def costs_by_rows(measured: dict, most: int) -> list:

@@ -1,9 +1,9 @@
 """The early exit: the model's own lower layers and a draft head guess the next tokens.
 
-A round feeds the last token through lower, then up to k times: the draft head on the
-newest exit state gives a draft token d, drawn by the generation's sampler, and lower runs
-on d. A confidence threshold ends the drafts early when the draft head's top probability
-falls below it.
+Its round (rounds.py) feeds the last token through lower, then up to k times: the draft
+head on the newest exit state gives logits, from which `next_draft` draws a draft d with
+the generation's sampler, and lower runs on d. A confidence threshold ends the drafts
+early when the draft head's top probability falls below it.
 
 Adaptive, it is timed: plain steps give the baseline (Pace), and moving averages of its
 rounds' seconds and committed tokens its speed. When that falls below plain decoding's it
@@ -14,7 +14,6 @@ round that did not. Its record lives with the loaded model, so an exit that keep
 stays paused across replies (its worth is the model's, not the text's).
 """
 from .drafter import Drafter, Offer, average
-from .sampling import top_probability
 
 TRIAL_ROUNDS = 4     # rounds it gets before it is judged
 FIRST_PAUSE = 16     # tokens decoded without it after it first loses
@@ -25,19 +24,18 @@ START_K = 2          # drafts a round before it has shown it earns more
 class EarlyExit(Drafter):
     name = "exit"
 
-    def __init__(self, engine, pace, k_max: int, threshold: float = 0.0,
-                 adaptive: bool = False):
-        self.engine, self.pace = engine, pace
+    def __init__(self, pace, k_max: int, threshold: float = 0.0, adaptive: bool = False):
+        self.pace = pace
         self.k_max, self.threshold, self.adaptive = k_max, threshold, adaptive
         self.k = min(START_K, k_max)
         self.pause, self.paused_until = FIRST_PAUSE, 0
         self._restart()
 
     @classmethod
-    def from_policy(cls, policy, engine, pace):
+    def from_policy(cls, policy, pace):
         if not policy.draft_k:
             return None
-        return cls(engine, pace, policy.draft_k, policy.draft_threshold, policy.adaptive)
+        return cls(pace, policy.draft_k, policy.draft_threshold, policy.adaptive)
 
     def _restart(self):
         self.seconds = self.tokens = None  # moving averages of its rounds
@@ -60,37 +58,23 @@ class EarlyExit(Drafter):
             return 0.0
         return self.tokens / self.seconds * self.pace.plain_s
 
-    def draft(self, offer, history, sampler, timer):
-        engine, drafts = self.engine, []
-        engine.lower([history[-1]])
-        timer.charge("draft")
-        while len(drafts) < offer.k:
-            d, p = self._propose(sampler, history, drafts)
-            timer.charge("head")
-            if self.threshold and p < self.threshold:
-                break
-            drafts.append(d)
-            engine.lower([d])
-            timer.charge("draft")
-        return drafts
-
-    def _propose(self, sampler, history, drafts) -> tuple:
-        """The next draft, and the draft head's top probability when a threshold reads it."""
-        k = sampler.top_needed
-        if k and self.engine.computes_top(k, draft=True):  # the few that decide, from a GPU
-            top, p = self.engine.draft_top(k, probability=self.threshold > 0)
-            return sampler(top, history, drafts), p
-        logits = self.engine.draft_head()
-        return sampler(logits, history, drafts), self.threshold and top_probability(logits)
+    def next_draft(self, logits, probability, sampler, history, drafts):
+        """The next draft from the draft head's logits (or its ranked top candidates) and
+        its top probability (read only with a threshold): None when below the threshold."""
+        if self.threshold and probability < self.threshold:
+            return None
+        return sampler(logits, history, drafts)
 
     def observe(self, offer, drafted, accepted, seconds):
         """A round the threshold cut to no draft still paid for the draft head: it counts
-        against the exit, but says nothing of k."""
+        against the exit, but says nothing of k. Only its own rounds time it."""
         if not self.adaptive:
             return
         committed = accepted + 1
         if drafted:
             self.k = min(self.k_max, 2 * self.k) if accepted == drafted else committed
+        if seconds is None:
+            return
         self.seconds, self.tokens = average(self.seconds, seconds), average(self.tokens, committed)
         self.rounds += 1
         if self.rounds < TRIAL_ROUNDS:

@@ -22,14 +22,15 @@ the call's total length; for head_dim > 128 (Gemma 3) a call is cut where that c
 The optional draft graph (exit adapter and shortlisted head) reads exit states too and has
 its own KV cache; it only proposes tokens, so its numerics never touch the output.
 
-What belongs to one conversation (its KV buffers, exit states and lengths) is a Sequence;
-the sessions and weights are the engine's, shared by every sequence. The single-sequence
-methods (lower, upper, step, prefill, draft_head) run on the engine's current sequence
-(`use`). `forward` runs the rows of several sequences in one call of the batch graphs,
-each at the positions it names: the linear layers see all rows packed (a row's bits do not
-depend on the others), and each sequence has its own GroupQueryAttention on its own cache
-with its own pad row, exactly as when it runs alone, so a reply in a batch is bit for bit
-its solo reply.
+What belongs to one conversation (its KV buffers, exit states, lengths and the calls
+bound to them) is a Sequence; the sessions and weights are the engine's, shared by every
+sequence. Every call names its sequence and the first position it writes: `lower`,
+`upper` and `prefill` run one sequence on the single-sequence graphs, `forward` the rows of
+several in one call of the batch graphs. There the linear layers see all rows packed (a
+row's bits do not depend on the others), and each sequence has its own GroupQueryAttention
+on its own cache with its own pad row, exactly as when it runs alone, so a reply in a batch
+is bit for bit its solo reply. `head` reads rows of the final states the last `upper` or
+`forward` wrote; `draft_head` a position of a sequence's exit states.
 """
 import ctypes
 import os
@@ -245,11 +246,10 @@ class Engine:
         self.cuts = gemm_cuts(a["head_dim"])
         # a sequence's KV buffers: every layer's of lower, upper and the draft graph
         self.kv_names = [name for s in self.sessions if s != "head" for name in self._past_names(s)]
-        self._calls, self._spaces = {}, {}
+        self._head_calls, self._spaces = {}, {}
         self.host_bytes = 0  # what the host has read of the heads' outputs (from a GPU: copied)
         self._threads = threads
         self._batch = None  # the batch graphs' sessions and buffers, made when first used
-        self.seq = self.new_sequence()  # the sequence the single-sequence methods run on
         self.draft_vocab = artifact.draft_vocab()  # the draft graph's token ids, if any
         if "draft" in self.sessions:
             self._draft_logits = np.full(self.vocab_size, -np.inf, np.float32)  # -inf: not
@@ -260,7 +260,6 @@ class Engine:
         (the single-sequence methods need lower and upper)."""
         for name in graphs:
             del self.sessions[name]
-        self._calls = {key: call for key, call in self._calls.items() if key[0] not in graphs}
         return_freed_memory()
 
     def _alloc(self, shape, dtype=None):
@@ -287,34 +286,6 @@ class Engine:
         states = context * self.hidden_size * np.dtype(self.state_dtype).itemsize
         return len(self.kv_names) * per_kv * (context + PAD_ROWS) + states
 
-    def use(self, seq: "Sequence"):
-        """Make `seq` the sequence the single-sequence methods run on."""
-        if seq is not self.seq:
-            self.seq = seq
-            self._calls.clear()  # they bound the previous sequence's buffers
-
-    # the current sequence's state, by its old names
-    kv = property(lambda self: self.seq.kv)
-    exit_states = property(lambda self: self.seq.exit_states)
-    tokens = property(lambda self: self.seq.tokens)
-    lower_len = property(lambda self: self.seq.lower_len,
-                         lambda self, n: setattr(self.seq, "lower_len", n))
-    upper_len = property(lambda self: self.seq.upper_len,
-                         lambda self, n: setattr(self.seq, "upper_len", n))
-    draft_len = property(lambda self: self.seq.draft_len,
-                         lambda self, n: setattr(self.seq, "draft_len", n))
-
-    def reset(self):
-        self.rollback(0)
-
-    def rollback(self, length: int):
-        """Forget every position from `length` on, in both halves. Nothing is copied."""
-        self.seq.rollback(length)
-
-    def cached_tokens(self) -> list:
-        """The tokens whose KV both halves hold: a prompt sharing them may skip them."""
-        return self.seq.cached_tokens()
-
     # -- binding ---------------------------------------------------------------------------
 
     def _bind_rows(self, bind, name, states: ort.OrtValue, first: int, count: int):
@@ -323,9 +294,10 @@ class Engine:
         bind(name, self.device, 0, self.state_dtype, [1, count, self.hidden_size],
              states.data_ptr() + offset)
 
-    def _layer_call(self, graph, count):
-        """lower or upper bound for `count` rows: KV buffers and host inputs, bound once."""
-        call = self._calls.get((graph, count))
+    def _layer_call(self, seq, graph, count):
+        """lower, upper or draft bound to `seq`'s KV buffers for `count` rows, bound once
+        (the calls live with the sequence)."""
+        call = seq.calls.get((graph, count))
         if call is not None:
             return call
         session = self.sessions[graph]
@@ -338,18 +310,18 @@ class Engine:
             if name in inputs:
                 binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
         for past in self._past_names(graph):
-            binding.bind_ortvalue_input(past, self.kv[past])
-            binding.bind_ortvalue_output(past.replace("past_", "present_"), self.kv[past])
+            binding.bind_ortvalue_input(past, seq.kv[past])
+            binding.bind_ortvalue_output(past.replace("past_", "present_"), seq.kv[past])
         call = _Call(session, binding, host)
         if graph == "draft":
             self._bind_logits(call, 1, len(self.draft_vocab))
         if count <= 16:  # decode and verify shapes recur; long prefill chunks do not
-            self._calls[(graph, count)] = call
+            seq.calls[(graph, count)] = call
         return call
 
     def _head_call(self, states, rows):
         key = ("head", id(states), rows)
-        call = self._calls.get(key)
+        call = self._head_calls.get(key)
         if call is not None:
             return call
         session = self.sessions["head"]
@@ -360,7 +332,7 @@ class Engine:
         call = _Call(session, binding, host)
         self._bind_logits(call, rows, self.vocab_size)
         if rows <= HEAD_ROWS:
-            self._calls[key] = call
+            self._head_calls[key] = call
         return call
 
     def _bind_logits(self, call, rows, vocab):
@@ -432,9 +404,10 @@ class Engine:
 
     # -- the three graphs ------------------------------------------------------------------
 
-    def _check_room(self, cache_len, count):
-        if cache_len + count > self.max_context:
-            raise ContextFull(f"the context is full ({self.max_context} tokens)")
+    @staticmethod
+    def _check_room(seq, first, count):
+        if first + count > seq.positions:
+            raise ContextFull(f"the context is full ({seq.positions} tokens)")
 
     @staticmethod
     def _set_lengths(call, first, count):
@@ -452,46 +425,50 @@ class Engine:
                 yield first, n
                 first += n
 
-    def lower(self, ids):
-        """Run lower on len(ids) new tokens; their exit states land at their positions."""
-        start = self.lower_len
-        self._check_room(start, len(ids))
-        self.tokens[start:] = [int(t) for t in ids]
-        for first, count in self._pieces(start, len(ids)):
-            call = self._layer_call("lower", count)
-            call.host["input_ids"][0] = ids[first - start:first - start + count]
-            self._bind_rows(call.binding.bind_output, "exit_hidden", self.exit_states, first,
+    def lower(self, seq, first: int, ids):
+        """Run lower on `ids` at positions first.. of `seq` (which forgets what it held from
+        `first` on); their exit states land at their positions."""
+        if first > seq.lower_len:
+            raise ValueError(f"lower at {first} would leave a gap after {seq.lower_len}")
+        self._check_room(seq, first, len(ids))
+        seq.rollback(first)
+        seq.tokens[first:] = [int(t) for t in ids]
+        for start, count in self._pieces(first, len(ids)):
+            call = self._layer_call(seq, "lower", count)
+            call.host["input_ids"][0] = ids[start - first:start - first + count]
+            self._bind_rows(call.binding.bind_output, "exit_hidden", seq.exit_states, start,
                             count)
-            self._set_lengths(call, first, count)
+            self._set_lengths(call, start, count)
             call.run()
-        self.lower_len += len(ids)
+        seq.lower_len = first + len(ids)
 
-    def upper(self, count: int):
-        """Run upper on the next `count` positions' exit states (lower ran them already);
-        their final states land in rows 0..count-1 of final_states."""
-        start = self.upper_len
-        self._check_room(start, count)
-        for first, n in self._pieces(start, count):
-            call = self._layer_call("upper", n)
-            self._bind_rows(call.binding.bind_input, "exit_hidden", self.exit_states, first, n)
-            if call.rows_out != first - start:  # rebinding is not free: only when it moved
-                call.rows_out = first - start
+    def upper(self, seq, first: int, count: int):
+        """Run upper on the exit states of positions [first, first + count) of `seq` (lower
+        ran them); their final states land in rows 0..count-1 of final_states."""
+        if not first <= seq.upper_len or first + count > seq.lower_len:
+            raise ValueError(f"upper on {count} rows at {first}: lower holds {seq.lower_len}, "
+                             f"upper {seq.upper_len}")
+        for start, n in self._pieces(first, count):
+            call = self._layer_call(seq, "upper", n)
+            self._bind_rows(call.binding.bind_input, "exit_hidden", seq.exit_states, start, n)
+            if call.rows_out != start - first:  # rebinding is not free: only when it moved
+                call.rows_out = start - first
                 self._bind_rows(call.binding.bind_output, "final_hidden", self.final_states,
                                 call.rows_out, n)
-            self._set_lengths(call, first, n)
+            self._set_lengths(call, start, n)
             call.run()
-        self.upper_len += count
+        seq.upper_len = first + count
 
-    def head(self, states: ort.OrtValue, rows):
+    def head(self, rows):
         """Logits [len(rows), vocab] (a host array the next head call overwrites) for rows of
-        `states`: positions of exit_states (draft) or rows of final_states (verifier)."""
-        return self._logits(self._run_head(states, rows))[0]
+        the final states the last `upper` or `forward` wrote."""
+        return self._logits(self._run_head(self.final_states, rows))[0]
 
-    def head_top(self, states: ort.OrtValue, rows, k: int) -> list:
-        """For each of the rows (where computes_top(k)), ranked() of its k largest logits
+    def head_top(self, rows, k: int) -> list:
+        """For each of those rows (where computes_top(k)), ranked() of its k largest logits
         and every tie of the k-th: only those cross from a GPU, not the logits."""
         rows = list(rows)
-        return self._ranked_rows(self._run_head(states, rows, k + 1), k, len(rows))
+        return self._ranked_rows(self._run_head(self.final_states, rows, k + 1), k, len(rows))
 
     def _run_head(self, states, rows, top=1) -> _Call:
         """Run the head on `rows` of `states`, its TopK (if any) giving `top` a row."""
@@ -505,80 +482,74 @@ class Engine:
             call.binding.synchronize_outputs()
         return call
 
-    def draft_head(self):
-        """Draft logits [vocab] for the newest position lower ran: the draft graph (exit
-        adapter, shortlisted head; -inf outside the shortlist) or the shared head on its
-        exit state. The adapter first catches up on positions it has not seen."""
-        call = self._run_draft()
+    def draft_head(self, seq, position: int):
+        """Draft logits [vocab] after `position` of `seq` (lower ran it): the draft graph
+        (exit adapter, shortlisted head; -inf outside the shortlist) or the shared head on
+        its exit state. The adapter first catches up on positions it has not seen."""
+        call = self._run_draft(seq, position)
         if "draft" not in self.sessions:
             return self._logits(call)[0, 0]
         self._draft_logits[self.draft_vocab] = self._logits(call)[0, 0]
         return self._draft_logits
 
-    def draft_top(self, k: int, probability: bool) -> tuple:
+    def draft_top(self, seq, position: int, k: int, probability: bool) -> tuple:
         """(ranked() top k of draft_head's logits with the ties of the k-th, the top token's
         probability if asked, else None), where computes_top(k, draft=True)."""
-        call = self._run_draft(k + 1)
+        call = self._run_draft(seq, position, k + 1)
         top = self._ranked_rows(call, k, 1)[0]
         if "draft" in self.sessions:  # the shortlist's ids, ascending: the order holds
             top = [(value, int(self.draft_vocab[i])) for value, i in top]
         return top, float(self._top(call, "top1_probability")[0, 0]) if probability else None
 
-    def _run_draft(self, top=1) -> _Call:
-        newest = self.lower_len - 1
+    def _run_draft(self, seq, position, top=1) -> _Call:
+        if position >= seq.lower_len:
+            raise ValueError(f"no exit state at {position}: lower holds {seq.lower_len}")
         if "draft" not in self.sessions:
-            return self._run_head(self.exit_states, [newest], top)
-        start = min(self.draft_len, newest) if self._past_names("draft") else newest
-        for first, count in self._pieces(start, newest + 1 - start):
-            call = self._layer_call("draft", count)
-            self._bind_rows(call.binding.bind_input, "exit_hidden", self.exit_states, first, count)
+            return self._run_head(seq.exit_states, [position], top)
+        start = min(seq.draft_len, position) if self._past_names("draft") else position
+        for first, count in self._pieces(start, position + 1 - start):
+            call = self._layer_call(seq, "draft", count)
+            self._bind_rows(call.binding.bind_input, "exit_hidden", seq.exit_states, first,
+                            count)
             self._set_lengths(call, first, count)
             if "top_k" in call.host and call.host["top_k"][0] != top:
                 self._bind_top(call, 1, top)
             call.run()
-        self.draft_len = self.lower_len
+        seq.draft_len = position + 1
         if self.device != "cpu":
             call.binding.synchronize_outputs()
         return call
 
-    # -- prefill and one plain step ----------------------------------------------------------
-
-    def prefill(self, ids):
-        """Run the prompt through both halves in chunks; logits of its last token."""
+    def prefill(self, seq, first: int, ids):
+        """Run `ids` through both halves at positions first.. of `seq` in chunks (a prompt,
+        or a plain step's one token); the logits after the last."""
         ids = np.asarray(ids, dtype=np.int64)
-        self._check_room(self.lower_len, len(ids))
+        self._check_room(seq, first, len(ids))
         for chunk in _chunks(ids):
-            self.lower(chunk)
-            self.upper(len(chunk))
-        return self.head(self.final_states, [len(chunk) - 1])[0]
-
-    def step(self, token: int):
-        """Plain decoding: one token through lower, upper and head; its next-token logits."""
-        self.lower([token])
-        self.upper(1)
-        return self.head(self.final_states, [0])[0]
+            self.lower(seq, first, chunk)
+            self.upper(seq, first, len(chunk))
+            first += len(chunk)
+        return self.head([len(chunk) - 1])[0]
 
     def round_costs(self, cached=200, repeat=15, rows=COST_ROWS) -> dict:
         """Median ms of one round through lower, upper and head on M rows, for M in `rows`
         (those that fit twice in the context), after `cached` positions: a verify of M - 1
-        drafts against a plain step (M = 1). Leaves the cache empty."""
+        drafts against a plain step (M = 1). Runs on a sequence of its own."""
         measured = [m for m in rows if 2 * m < self.max_context]
         cached = min(cached, self.max_context - 2 * max(measured))
         ids = [i % self.vocab_size for i in range(cached + max(measured))]
-        self.reset()
-        self.prefill(ids[:cached])
+        seq = self.new_sequence(len(ids))
+        self.prefill(seq, 0, ids[:cached])
         costs = {}
         for m in measured:
             times = []
             for _ in range(repeat):
                 start = time.perf_counter()
-                self.lower(ids[cached:cached + m])
-                self.upper(m)
-                self.head(self.final_states, range(m))
+                self.lower(seq, cached, ids[cached:cached + m])
+                self.upper(seq, cached, m)
+                self.head(range(m))
                 times.append(time.perf_counter() - start)
-                self.rollback(cached)
             costs[m] = 1e3 * statistics.median(times)
-        self.reset()
         return costs
 
     # -- several sequences in one call -------------------------------------------------
@@ -595,7 +566,7 @@ class Engine:
         [(sequence, first position, token ids)], at most max(BATCH_SLOTS) of them, each
         within call_rows. A sequence forgets what it held from `first` on and holds the ids
         there after; the final states of all rows, packed in the parts' order, are what
-        `head_rows` reads (until the next call)."""
+        `head` reads (until the next call)."""
         batch = self._batch_graphs()
         slots = next(s for s in BATCH_SLOTS if s >= len(parts))
         rows = sum(len(ids) for _, _, ids in parts)
@@ -624,10 +595,6 @@ class Engine:
             seq.lower_len = seq.upper_len = first + len(ids)
             row += len(ids)
 
-    def head_rows(self, rows) -> np.ndarray:
-        """Logits [len(rows), vocab] for rows of the last `forward`'s final states."""
-        return self.head(self._batch.final, rows)
-
     def check_batch(self, sequences: int):
         """Refuse, in one line and before any work, to decode several sequences at once off
         the CPU: the batch graphs' calls are bound to host buffers."""
@@ -645,9 +612,12 @@ class Engine:
 
 class Sequence:
     """One conversation's state: its KV buffers (every layer of lower, upper and the draft
-    graph), the exit state of every position, and how many positions each half holds."""
+    graph), the exit state of every position, how many positions each half holds, and the
+    engine's calls bound to its buffers."""
 
     def __init__(self, engine: Engine, positions: int):
+        self.positions = positions  # the most it holds
+        self.calls = {}  # (graph, rows) -> a single-sequence call bound to these buffers
         kv_shape = engine.kv_shape[:2] + [positions + PAD_ROWS] + engine.kv_shape[3:]
         self.kv = {name: engine._alloc(kv_shape) for name in engine.kv_names}
         shape = [1, positions, engine.hidden_size]
@@ -688,10 +658,9 @@ class _BatchGraphs:
         self.artifact, self.provider = engine.artifact, engine.provider
         self.sessions, self.calls = {}, {}
         shape = [CHUNK, engine.hidden_size]
-        self.exit_host, self.final_host = (_host_array(shape, engine.state_dtype)
-                                           for _ in range(2))
+        self.exit_host = _host_array(shape, engine.state_dtype)
         self.exit = ort.OrtValue.ortvalue_from_numpy(self.exit_host[None])
-        self.final = ort.OrtValue.ortvalue_from_numpy(self.final_host[None])
+        self.final = engine.final_states  # the rows `head` reads, as after `upper`
         # idle slots: a cache of two positions, written and never read
         self.scratch = engine._alloc([1] + engine.kv_shape[1:2] + [2] + engine.kv_shape[3:])
 
@@ -780,7 +749,7 @@ def batch_round_costs(engine: Engine, cached=200, repeat=9) -> dict:
             for _ in range(repeat):
                 start = time.perf_counter()
                 engine.forward(parts)
-                engine.head_rows(range(slots * each))
+                engine.head(range(slots * each))
                 times.append(time.perf_counter() - start)
             costs[slots][slots * each] = 1e3 * statistics.median(times)
         engine._batch = None  # its sessions and calls: let them go before the next size's

@@ -9,10 +9,10 @@ token by token, so a match knows its true length up to MAX_MATCH. A long match i
 under way and earns a long draft; a short one, or one whose earlier occurrences were
 followed by different tokens, a short draft or none.
 
-Adaptive, lookup is planned rather than timed: the rate at which matches of a length and
-kind were accepted (measured priors, refined by the text's own rounds) and the artifact's
-round cost by rows give each k's expected committed tokens per unit of cost; a round offers
-the best k, none when no k beats a plain step. Its drafts depend on the texts alone, not on
+Adaptive, lookup is planned rather than timed: its offer carries the chance that each draft
+is accepted (the rate at which matches of a length and kind were accepted: measured priors,
+refined by the text's own rounds), and the round's planner weighs them against the
+artifact's round cost by rows (rounds.py). Its drafts depend on the texts alone, not on
 clock noise. The rates start afresh with each text; the replies are remembered (the latest
 MEMORY_TOKENS tokens of them) for the texts after, and a batch keeps the replies of each
 owner (a server's client) apart: one client's text is never drafted into another's.
@@ -139,15 +139,14 @@ class Memory:
 class PromptLookup(Drafter):
     name = "lookup"
 
-    def __init__(self, engine, pace, k_max: int, adaptive: bool = False):
-        self.engine, self.k_max, self.adaptive = engine, k_max, adaptive
-        self.cost = pace.costs(k_max + 1)
+    def __init__(self, k_max: int, adaptive: bool = False):
+        self.k_max, self.adaptive = k_max, adaptive
         self.forget()
         self.new_text()
 
     @classmethod
-    def from_policy(cls, policy, engine, pace):
-        return cls(engine, pace, policy.lookup_k, policy.adaptive) if policy.lookup_k else None
+    def from_policy(cls, policy, pace):
+        return cls(policy.lookup_k, policy.adaptive) if policy.lookup_k else None
 
     def forget(self):
         self.memory = Memory()
@@ -180,12 +179,15 @@ class PromptLookup(Drafter):
         self.prior = PRIOR_SAMPLED if sampled else PRIOR
 
     def offer(self, history, budget):
+        """The continuation of the longest match, up to `budget` drafts, with each draft's
+        chance when adaptive (the planner then chooses how many); None without a match."""
         match, budget = self.match(history, budget)
         if not budget:
             return None
-        if not self.adaptive:
-            return Offer(self, budget, plan=(match, []))
-        return self.plan(match, budget)
+        keys = match.keys(budget)
+        chances = tuple(self.chances(keys)) if self.adaptive else ()
+        return Offer(self, budget, tokens=tuple(match.continuation(budget)), chances=chances,
+                     plan=(match, keys))
 
     def match(self, history, budget):
         """The longest match of the history's end (None if none) and the most drafts it can
@@ -201,14 +203,6 @@ class PromptLookup(Drafter):
             return None, 0
         return match, min(budget, self.k_max, len(match.text) - match.position)
 
-    def candidates(self, history, budget):
-        match, budget = self.match(history, budget)
-        if not budget:
-            return [], [], None
-        keys = match.keys(budget)
-        return match.continuation(budget), self.chances(keys), \
-            lambda k: Offer(self, k, plan=(match, keys[:k]))
-
     def chances(self, keys) -> list:
         """For each draft, the chance that it and every draft before it are accepted."""
         return list(itertools.accumulate((self.rate(key) for key in keys),
@@ -221,26 +215,8 @@ class PromptLookup(Drafter):
         return (self.hits.get(key, 0) + PRIOR_ROUNDS * prior) / \
             (self.tries.get(key, 0) + PRIOR_ROUNDS)
 
-    def plan(self, match: Match, budget: int):
-        """The offer of the k with the most expected committed tokens per unit of cost,
-        None when none earns more than a plain step (1 token a step)."""
-        keys = match.keys(budget)
-        best_k, best, expected = 0, 1.0, 1.0
-        for k, chain in enumerate(self.chances(keys), 1):
-            expected += chain
-            if expected / self.cost[k + 1] > best:
-                best_k, best = k, expected / self.cost[k + 1]
-        return Offer(self, best_k, best, (match, keys[:best_k])) if best_k else None
-
-    def draft(self, offer, history, sampler, timer):
-        match, _ = offer.plan
-        drafts = match.continuation(offer.k)
-        self.engine.lower([history[-1]] + drafts)  # one run for the token and its drafts
-        timer.charge("draft")
-        return drafts
-
     def observe(self, offer, drafted, accepted, seconds):
         _, keys = offer.plan
-        for i, key in enumerate(keys[:accepted + 1]):  # drafts up to the first miss
+        for i, key in enumerate(keys[:min(accepted + 1, drafted)]):  # up to the first miss
             self.tries[key] = self.tries.get(key, 0) + 1
             self.hits[key] = self.hits.get(key, 0) + (i < accepted)

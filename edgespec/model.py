@@ -1,56 +1,17 @@
 """The embedding API: a loaded artifact that turns prompts into text."""
 import contextlib
+import functools
 import json
 import sys
-import time
-from dataclasses import asdict, dataclass, field
 
 from .artifact import open_artifact
 from .batch import Batch
-from .decoder import Decoder, drafters_for
-from .drafter import Pace
-from .engine import ContextFull, Engine, measured_costs
-from .errors import EdgespecError
-from .sampling import Sampler
+from .drafter import RoundCosts
+from .engine import CHUNK, Engine, measured_costs
+from .reply import Generation, ReplyText
+from .rounds import Drafting
 from .settings import DraftPolicy, Settings
-from .stats import DecodeStats
-from .reply import Reply
 from .tokenizer import TextCodec
-
-
-@dataclass
-class Generation:
-    """One reply and what it cost. Decode time starts after prefill (which yields the first
-    token's logits), so decode_tokens_per_s counts the tokens after the first."""
-    text: str
-    tokens: list
-    n_prompt: int
-    prefill_s: float
-    decode_s: float
-    mode: str
-    # "stop" (end of turn or a stop string), "length" (max_new_tokens), "context_full", or
-    # "cancelled" (the caller ended it with stop_reply)
-    finish_reason: str
-    stats: DecodeStats = field(default_factory=DecodeStats)
-    n_prefilled: int = 0  # prompt tokens run through the model (the rest came from the cache)
-    sampling: dict = field(default_factory=dict)  # the settings it sampled with, seed included
-
-    @property
-    def n_generated(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return (self.n_generated - 1) / self.decode_s if self.decode_s > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "stats": self.stats.to_dict(), "n_generated": self.n_generated,
-                "decode_tokens_per_s": self.decode_tokens_per_s}
-
-    def summary(self) -> list:
-        """Its headline numbers, as phrases (chat, the desktop app)."""
-        return [f"{self.n_generated} tokens", f"{self.decode_tokens_per_s:.1f} tokens/s",
-                *(self.stats.brief() or [self.mode])]
 
 
 COSTS_THREADS = 2  # the threads an artifact that does not record them was measured at
@@ -115,14 +76,15 @@ class Model:
         self.artifact = open_artifact(path, verify=verify)
         self.engine = Engine(self.artifact, device=device, threads=threads,
                              max_context=max_context)
-        self.sequence = self.engine.seq  # the one the single-reply methods use (chat's cache)
+        self.sequence = self.engine.new_sequence()  # the single replies' (chat's cache)
         self.codec = TextCodec.for_artifact(self.artifact)
         self.stop_ids = set(self.artifact.eos_token_ids)
         self.sampling = self.artifact.sampling  # settings a call does not give come from here
         self.defaults = Settings(self.sampling,
                                  DraftPolicy.from_manifest(self.artifact.manifest.get("draft", {})))
-        self._by_policy = {}  # draft policy -> its Pace and drafters, kept across generations
+        self.drafting = Drafting()  # each draft policy's drafters, kept across replies
         self.costs = self._round_costs()  # what rounds cost here: the plans weigh drafts by it
+        self.round_costs = RoundCosts(self.costs, CHUNK)
 
     def settings(self, **options) -> Settings:
         """The model's defaults with these options (validated: a SettingError names a bad one)."""
@@ -177,46 +139,39 @@ class Model:
         prefills only its new tokens. Decode steps cache the same bits a prefill would (no
         graph runs a single row, see engine.py), so a continued conversation answers as the
         same conversation sent afresh. Without reuse_cache every call starts from an empty
-        cache."""
-        self._check_prompt(prompt_ids)
-        self.engine.use(self.sequence)
-        start = time.perf_counter()
-        first_logits, reused = self._prefill(prompt_ids, reuse_cache)
-        prefill_s = time.perf_counter() - start
-        decoder = self._decoder(settings)
-        history, reply = list(prompt_ids), self._reply(settings)
+        cache. The reply is a batch of one on the model's own sequence."""
+        if not reuse_cache:
+            self.sequence.rollback(0)
+        batch = self._batch(1, [self.sequence])
+        request = batch.add(prompt_ids, settings)
         try:
-            for committed in decoder.rounds(first_logits, history, settings.max_new_tokens):
-                for piece in reply.add(committed):
+            while batch.busy:
+                for _, piece in batch.step():
                     yield piece
-                if reply.finish:
-                    break
-        except ContextFull:
-            reply.finish = "context_full"
         except StopReply:
-            reply.finish = "cancelled"
-        yield from reply.close()
-        decode_s = time.perf_counter() - start - prefill_s
-        return Generation(reply.text, reply.tokens, len(prompt_ids), prefill_s, decode_s,
-                          settings.mode, reply.finish, decoder.stats,
-                          n_prefilled=len(prompt_ids) - reused,
-                          sampling={**asdict(settings.sampling), "seed": decoder.sampler.seed})
+            batch.cancel(request)
+            while batch.busy:
+                batch.step()
+        return request.result
 
     def forget(self):
         """Forget the earlier replies that drafting copies from (each draft policy keeps the
         latest ones): for a benchmark that repeats a prompt, or before another user's turn.
         Output never depends on them; speed does."""
-        for _, drafters in self._by_policy.values():
-            for drafter in drafters:
-                drafter.forget()
+        self.drafting.forget()
 
     def batch(self, parallel: int) -> Batch:
         """Replies decoded together, `parallel` at a time (1 to 8), each bit for bit the
         reply it gets alone: add token ids with their Settings (`settings(...)`), then
-        iterate `run()` for (member, Piece) pairs; each Member's `result` is its Generation.
-        Its KV caches (engine.sequence_bytes each) are allocated now."""
-        self.engine.check_batch(parallel)
-        return Batch(self, parallel)
+        iterate `run()` for (request, Piece) pairs; each Request's `result` is its
+        Generation. Its KV caches (engine.sequence_bytes each) are allocated now, the first
+        being the model's own."""
+        return self._batch(parallel, [self.sequence])
+
+    def _batch(self, parallel, sequences) -> Batch:
+        make_text = functools.partial(ReplyText, self.codec, stop_ids=self.stop_ids)
+        return Batch(self.engine, self.drafting, self.round_costs, make_text, parallel,
+                     sequences)
 
     def generate_many(self, prompts: list, parallel: int = 4, raw: bool = False,
                       system: str = None, on_text=None, **options) -> list:
@@ -224,49 +179,11 @@ class Model:
         on_text(index, text) gets each reply's text pieces as they are decoded."""
         settings = self.settings(**options)
         batch = self.batch(parallel)
-        members = [batch.add(self.encode(prompt, raw, system), settings) for prompt in prompts]
-        for member, piece in batch.run():
+        requests = [batch.add(self.encode(prompt, raw, system), settings) for prompt in prompts]
+        for request, piece in batch.run():
             if on_text:
-                on_text(member.index, piece.text)
-        return [m.result for m in members]
-
-    def _decoder(self, settings, own_text: bool = False, owner=None) -> Decoder:
-        """The decode loop for these settings: the draft policy's drafters (none for plain
-        decoding), those of earlier generations with this policy, so that what they measured
-        of the model carries over. own_text: for a reply decoded beside others, with
-        drafters that keep its text's state apart, and what they remember of earlier
-        replies shared only with the same `owner`'s."""
-        policy = settings.draft
-        if policy not in self._by_policy:
-            pace = Pace(self.costs["round_costs"] or None)
-            self._by_policy[policy] = pace, drafters_for(policy, self.engine, pace)
-        pace, drafters = self._by_policy[policy]
-        if settings.mode != "speculative":
-            drafters = []
-        elif own_text:
-            drafters = [d.for_text(owner) for d in drafters]
-        return Decoder(self.engine, Sampler(settings.sampling),
-                       drafters, pace)
-
-    def _reply(self, settings) -> Reply:
-        return Reply(self.codec, settings, self.stop_ids)
-
-    def _generation(self, member, finish) -> Generation:
-        """A batch member's Generation: prefill is its time from taking a place to its first
-        token, decode the rest."""
-        now, began = time.perf_counter(), member.started_at or member.queued_at
-        first = member.first_token_at or now
-        settings, decoder = member.settings, member.decoder
-        return Generation(member.reply.text, member.reply.tokens, len(member.prompt),
-                          first - began, now - first, settings.mode, finish, decoder.stats,
-                          n_prefilled=len(member.prompt) - member.reused,
-                          sampling={**asdict(settings.sampling), "seed": decoder.sampler.seed})
-
-    def _prefill(self, prompt_ids, reuse_cache):
-        """Logits after the prompt, and how many of its tokens the cache already held."""
-        reused = self.sequence.shared_prefix(prompt_ids) if reuse_cache else 0
-        self.engine.rollback(reused)
-        return self.engine.prefill(prompt_ids[reused:]), reused
+                on_text(request.index, piece.text)
+        return [r.result for r in requests]
 
     def _round_costs(self) -> dict:
         """round_costs and batch_round_costs as in the manifest: its own when it measured
@@ -290,21 +207,6 @@ class Model:
         with contextlib.suppress(OSError):  # a read-only artifact measures at every load
             kept.write_text(json.dumps(costs))
         return costs
-
-    def _check_prompt(self, prompt_ids):
-        limit = self.engine.max_context
-        if not prompt_ids:
-            raise EdgespecError("the prompt is empty")
-        vocab = self.engine.vocab_size  # the embedding lookup does not check its ids
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise EdgespecError(f"the prompt holds token id {bad}; this model's ids are "
-                                f"0..{vocab - 1}")
-        if len(prompt_ids) >= limit:
-            raise EdgespecError(f"the prompt has {len(prompt_ids)} tokens but the artifact's "
-                                f"context is {limit}; shorten the prompt or export with a "
-                                "larger --max-context")
-
 
 def load(path, device: str = "auto", threads: int = None, verify: bool = True,
          max_context: int = None) -> Model:

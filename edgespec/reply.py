@@ -1,6 +1,8 @@
-"""One reply's text as its tokens arrive: the pieces to stream, where it ends and why."""
-from dataclasses import dataclass
+"""A reply: its text as its tokens arrive (the pieces to stream, where it ends and why), and
+once it ended, its Generation."""
+from dataclasses import asdict, dataclass, field
 
+from .stats import DecodeStats
 from .stops import StopScanner
 from .tokenizer import StreamDecoder
 
@@ -14,7 +16,7 @@ class Piece:
     generated: int = 0
 
 
-class Reply:
+class ReplyText:
     """Turns a reply's committed tokens into text pieces, cut at an end-of-turn token, a
     stop string or max_new_tokens. `finish` says why it ended ("stop", "length"), None
     while it goes on; the caller sets "context_full" or "cancelled"."""
@@ -60,3 +62,38 @@ class Reply:
     @property
     def text(self) -> str:
         return "".join(self.texts) if self.stops.stopped else self.codec.decode(self.tokens)
+
+
+@dataclass
+class Generation:
+    """One reply and what it cost. Decode time starts after prefill (which yields the first
+    token's logits), so decode_tokens_per_s counts the tokens after the first."""
+    text: str
+    tokens: list
+    n_prompt: int
+    prefill_s: float
+    decode_s: float
+    mode: str
+    # "stop" (end of turn or a stop string), "length" (max_new_tokens), "context_full", or
+    # "cancelled" (the caller ended it with stop_reply)
+    finish_reason: str
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    n_prefilled: int = 0  # prompt tokens run through the model (the rest came from the cache)
+    sampling: dict = field(default_factory=dict)  # the settings it sampled with, seed included
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return (self.n_generated - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "stats": self.stats.to_dict(), "n_generated": self.n_generated,
+                "decode_tokens_per_s": self.decode_tokens_per_s}
+
+    def summary(self) -> list:
+        """Its headline numbers, as phrases (chat, the desktop app)."""
+        return [f"{self.n_generated} tokens", f"{self.decode_tokens_per_s:.1f} tokens/s",
+                *(self.stats.brief() or [self.mode])]

@@ -77,28 +77,28 @@ def _generate(art, prompts, todo, sequences, files, max_new_tokens, top_k):
 
     from .calibrate import short_context
     engine = Engine(art, max_context=short_context(art.path))
+    seq = engine.new_sequence()
     codec = TextCodec.for_artifact(art)
     eos = set(art.eos_token_ids)
     with progress(len(todo) * max_new_tokens, "collecting generations", unit="tok") as bar:
         for i in todo:
-            engine.reset()
             ids = codec.encode_chat([{"role": "user", "content": prompts[i]}])
-            logits, tops = engine.prefill(ids), []
+            logits, tops = engine.prefill(seq, 0, ids), []
             for generated in range(1, max_new_tokens + 1):
                 tops.append(_top(logits, top_k))
                 token = int(np.argmax(logits))
                 bar.update(1)
                 if token in eos or generated == max_new_tokens or \
-                        engine.lower_len >= engine.max_context:
+                        seq.lower_len >= engine.max_context:
                     break
-                logits = engine.step(token)
+                logits = engine.prefill(seq, seq.lower_len, [token])
             bar.total -= max_new_tokens - generated  # keep the rate honest on early ends
-            length = engine.lower_len
+            length = seq.lower_len
             sequences[i] = Sequence(
-                exit_states=engine.exit_states.numpy()[0, :length].astype(np.float32),
+                exit_states=seq.exit_states.numpy()[0, :length].astype(np.float32),
                 start=len(ids) - 1, top_ids=np.stack([t[0] for t in tops]),
                 top_probs=np.stack([t[1] for t in tops]),
-                tokens=np.array(engine.tokens[:length], np.int64))
+                tokens=np.array(seq.tokens[:length], np.int64))
             if files[i]:
                 _save_sequence(files[i], sequences[i])
 

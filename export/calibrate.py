@@ -87,11 +87,10 @@ def with_exit_states(artifact_dir, sequences) -> list:
 
     engine = Engine(open_artifact(artifact_dir, verify=False),
                     max_context=short_context(artifact_dir))
-    moved = []
+    moved, seq = [], engine.new_sequence()
     for s in sequences:
-        engine.reset()
-        engine.lower(s.tokens)
-        states = engine.exit_states.numpy()[0, :len(s.tokens)].astype(np.float32)
+        engine.lower(seq, 0, s.tokens)
+        states = seq.exit_states.numpy()[0, :len(s.tokens)].astype(np.float32)
         moved.append(exit_adapter.Sequence(states, s.start, s.top_ids, s.top_probs, s.tokens))
     return moved
 

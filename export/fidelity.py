@@ -106,11 +106,10 @@ class ArtifactAnswers:
 
     def top1(self, ids) -> list:
         """The likeliest next token after every prefix of `ids` (one prefill, all rows)."""
-        engine = self.model.engine
-        engine.reset()
-        engine.lower(np.asarray(ids, np.int64))
-        engine.upper(len(ids))
-        return engine.head(engine.final_states, range(len(ids))).argmax(-1).tolist()
+        engine, seq = self.model.engine, self.model.sequence
+        engine.lower(seq, 0, np.asarray(ids, np.int64))
+        engine.upper(seq, 0, len(ids))
+        return engine.head(range(len(ids))).argmax(-1).tolist()
 
 
 def is_right(text, answers) -> bool:

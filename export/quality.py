@@ -51,14 +51,15 @@ def artifact_scores(path, ids) -> tuple:
     from edgespec.engine import CHUNK, Engine
     # the engine alone (no tokenizer), its buffers no longer than the passage
     engine = Engine(open_artifact(path, verify=False), max_context=max(2, len(ids)))
+    seq = engine.new_sequence()
     top1, nll = [], []
     for start in range(0, len(ids), CHUNK):
         chunk = ids[start:start + CHUNK]
-        engine.lower(np.asarray(chunk, np.int64))
-        engine.upper(len(chunk))
+        engine.lower(seq, start, np.asarray(chunk, np.int64))
+        engine.upper(seq, start, len(chunk))
         for first in range(0, len(chunk), ROWS):  # a few rows' logits at a time, not a chunk's
             rows = range(first, min(first + ROWS, len(chunk)))
-            logits = engine.head(engine.final_states, rows)
+            logits = engine.head(rows)
             row_top1, row_nll = scores(logits, ids[start + first:start + rows.stop + 1])
             top1.append(row_top1)
             nll.append(row_nll)

@@ -9,7 +9,7 @@ import pytest
 from helpers import make_checkpoint, quiet, run_cli
 
 import edgespec
-from edgespec.batch import plan_drafts
+from edgespec.rounds import plan_drafts
 from edgespec.engine import CHUNK
 from edgespec.errors import EdgespecError
 from edgespec.export.pipeline import export_model
@@ -18,6 +18,7 @@ SAMPLINGS = [dict(temperature=0), dict(temperature=0.8, top_k=20, seed=1),
              dict(temperature=1.2, top_p=0.9, seed=7), dict(temperature=0.6, min_p=0.1, seed=3),
              dict(temperature=0.9, repetition_penalty=1.3, presence_penalty=0.5, seed=11),
              dict(temperature=0, frequency_penalty=0.4)]
+FORCED_EXIT = dict(draft_k=3, lookup_k=0, adaptive=False)  # the early exit drafts every round
 
 
 def prompts_for(model, count, seed):
@@ -84,13 +85,13 @@ def test_batch_graphs_give_every_row_its_solo_logits(tiny_int4):
             parts = [(seq, seq.upper_len - rng.randrange(0, 2), ids)
                      for seq, ids in zip(sequences, rows)]
             engine.forward(parts)
-            batched = engine.head_rows(range(sum(map(len, rows)))).copy()
+            batched = engine.head(range(sum(map(len, rows)))).copy()
             start = 0
             for seq, first, ids in parts:
-                engine.use(engine.new_sequence())
-                alone = engine.prefill(seq.tokens[:first]) if first else None
+                own = engine.new_sequence()
+                alone = engine.prefill(own, 0, seq.tokens[:first]) if first else None
                 for i in range(len(ids)):  # one plain step per row, as a solo run makes them
-                    alone = engine.step(ids[i])
+                    alone = engine.prefill(own, first + i, [ids[i]])
                     assert np.array_equal(alone, batched[start + i])
                 start += len(ids)
 
@@ -103,20 +104,25 @@ def test_every_reply_equals_its_solo_run(tiny_int4, parallel):
     prompts = prompts_for(model, 10, seed=parallel)
     settings = [model.settings(max_new_tokens=12 + 7 * (i % 4), ignore_eos=True,
                                mode="plain" if i % 5 == 4 else "speculative",
-                               **SAMPLINGS[i % len(SAMPLINGS)]) for i in range(len(prompts))]
+                               **SAMPLINGS[i % len(SAMPLINGS)],
+                               **(FORCED_EXIT if i % 3 == 1 else {}))
+                for i in range(len(prompts))]
     model.forget()
     batch = model.batch(parallel)
     # rows nearly free, so that the planner drafts whatever lookup finds (whatever this
     # machine measured at export)
-    batch.costs = {slots: [1 + 0.001 * rows for rows in range(CHUNK + 1)] for slots in batch.costs}
-    members = [batch.add(p, s) for p, s in zip(prompts, settings)]
-    texts = {m.index: "" for m in members}
-    for member, piece in batch.run():
-        texts[member.index] += piece.text
-    for member, prompt, s in zip(members, prompts, settings):
-        assert (member.result.tokens, texts[member.index]) == solo_run(model, prompt, s)
-        assert member.result.finish_reason == "length"
-    assert sum(m.result.stats.drafted for m in members) > 0  # the batch rounds drafted
+    batch.costs.batch = {slots: [1 + 0.001 * rows for rows in range(CHUNK + 1)]
+                         for slots in batch.costs.batch}
+    requests = [batch.add(p, s) for p, s in zip(prompts, settings)]
+    texts = {r.index: "" for r in requests}
+    for request, piece in batch.run():
+        texts[request.index] += piece.text
+    for request, prompt, s in zip(requests, prompts, settings):
+        assert (request.result.tokens, texts[request.index]) == solo_run(model, prompt, s)
+        assert request.result.finish_reason == "length"
+    drafted = {name: sum(r.result.stats.drafters[name].drafted for r in requests
+                         if name in r.result.stats.drafters) for name in ("lookup", "exit")}
+    assert drafted["lookup"] > 0 and drafted["exit"] > 0  # the batch rounds drafted both ways
 
 
 def test_wide_heads_cross_the_gemm_cuts_as_alone(tmp_path):
@@ -139,14 +145,15 @@ def test_wide_heads_cross_the_gemm_cuts_as_alone(tmp_path):
             count = engine.call_rows(positions[i], min(12, 70 - positions[i]))
             parts.append((seq, positions[i], ids[i][positions[i]:positions[i] + count]))
         engine.forward([p for p in parts if p[2]])
-        logits = iter(engine.head_rows(range(sum(len(p[2]) for p in parts))).copy())
+        logits = iter(engine.head(range(sum(len(p[2]) for p in parts))).copy())
         for i, (_, first, rows) in enumerate(parts):
             batched[i] += [next(logits) for _ in rows]
             positions[i] += len(rows)
     for i in range(len(ids)):
-        engine.use(engine.new_sequence())
+        seq = engine.new_sequence()
         for position, token in enumerate(ids[i]):
-            np.testing.assert_array_equal(engine.step(token), batched[i][position],
+            np.testing.assert_array_equal(engine.prefill(seq, position, [token]),
+                                          batched[i][position],
                                           err_msg=f"sequence {i}, position {position}")
 
 
@@ -155,19 +162,19 @@ def test_a_cancelled_reply_changes_no_other(tiny_int4):
     prompts = prompts_for(model, 5, seed=5)
     settings = model.settings(max_new_tokens=30, ignore_eos=True, temperature=0.7, seed=4)
     batch = model.batch(4)
-    members = [batch.add(p, settings) for p in prompts]
+    requests = [batch.add(p, settings) for p in prompts]
     for _ in range(4):
         batch.step()
-    batch.cancel(members[1])
-    batch.cancel(members[4])  # still waiting for a place
+    batch.cancel(requests[1])
+    batch.cancel(requests[4])  # still waiting for a place
     for _ in batch.run():
         pass
-    cancelled = members[1].result
+    cancelled = requests[1].result
     assert cancelled.finish_reason == "cancelled" and 0 < cancelled.n_generated < 30
     assert cancelled.tokens == solo(model, prompts[1], settings)[:cancelled.n_generated]
-    assert members[4].result.finish_reason == "cancelled" and members[4].result.tokens == []
+    assert requests[4].result.finish_reason == "cancelled" and requests[4].result.tokens == []
     for i in (0, 2, 3):
-        assert members[i].result.tokens == solo(model, prompts[i], settings)
+        assert requests[i].result.tokens == solo(model, prompts[i], settings)
 
 
 def test_replies_end_as_alone_at_the_context_and_at_stops(tiny_int4):
@@ -176,15 +183,15 @@ def test_replies_end_as_alone_at_the_context_and_at_stops(tiny_int4):
     prompts = prompts_for(model, 3, seed=9) + [[5] * (limit - 6)]
     settings = model.settings(max_new_tokens=40, temperature=0)
     batch = model.batch(4)
-    members = [batch.add(p, settings) for p in prompts]
+    requests = [batch.add(p, settings) for p in prompts]
     for _ in batch.run():
         pass
-    for member, prompt in zip(members, prompts):
+    for request, prompt in zip(requests, prompts):
         model.forget()
         alone = model.generate_ids(prompt, settings=settings)
-        assert (member.result.tokens, member.result.finish_reason) == \
+        assert (request.result.tokens, request.result.finish_reason) == \
             (alone.tokens, alone.finish_reason)
-    assert members[-1].result.finish_reason == "context_full"
+    assert requests[-1].result.finish_reason == "context_full"
 
 
 def test_generate_many_streams_each_reply(tiny_int4):
@@ -237,8 +244,8 @@ def test_smollm2_batch_replies_equal_their_solo_runs(smollm2_int4):
     for options in (dict(temperature=0), dict(seed=5)):
         settings = model.settings(max_new_tokens=48, **options)
         batch = model.batch(4)
-        members = [batch.add(model.encode(q), settings) for q in questions]
+        requests = [batch.add(model.encode(q), settings) for q in questions]
         for _ in batch.run():
             pass
-        for member, q in zip(members, questions):
-            assert member.result.tokens == solo(model, model.encode(q), settings), q
+        for request, q in zip(requests, questions):
+            assert request.result.tokens == solo(model, model.encode(q), settings), q

@@ -37,12 +37,13 @@ def test_bench_writes_table_json_and_plot(tiny_int4, tmp_path):
         in result.stdout
 
 
-def test_round_costs_leave_the_cache_empty_and_the_model_deterministic(tiny_int4):
+def test_round_costs_leave_the_models_cache_alone_and_the_model_deterministic(tiny_int4):
     model = edgespec.load(tiny_int4)
     before = model.generate_ids([5, 6, 7, 8], max_new_tokens=12).tokens
+    held = model.sequence.cached_tokens()
     costs = model.engine.round_costs(repeat=2)
     assert tuple(costs) == COST_ROWS
-    assert model.engine.lower_len == model.engine.upper_len == 0
+    assert model.sequence.cached_tokens() == held and held[:4] == [5, 6, 7, 8]
     assert model.generate_ids([5, 6, 7, 8], max_new_tokens=12).tokens == before
 
 

@@ -139,7 +139,7 @@ def test_a_new_turn_prefills_only_its_new_tokens(smollm2_int4):
     messages = [{"role": "user", "content": "Name a fruit that is yellow."}]
     first = model.chat(messages, max_new_tokens=256, seed=0)
     assert first.n_prefilled == first.n_prompt and first.finish_reason == "stop"
-    held = model.engine.cached_tokens()
+    held = model.sequence.cached_tokens()
     messages += [{"role": "assistant", "content": first.text},
                  {"role": "user", "content": "And a red one?"}]
     ids = model.codec.encode_chat(messages)

@@ -99,7 +99,7 @@ def test_bench_parallel_is_refused_before_decoding_on_cuda(on_gpu):
     rows = [{"prompt": "hello", "category": "chat"}]
     with pytest.raises(EdgespecError, match="CPU provider only"):
         bench.run_parallel(on_gpu, rows, Settings(), [4])
-    assert on_gpu.engine.seq.lower_len == 0  # not even the warm-up ran
+    assert on_gpu.sequence.lower_len == 0  # not even the warm-up ran
 
 
 def test_batch_round_costs_are_not_measured_on_cuda(on_gpu):

@@ -65,15 +65,15 @@ def test_draft_graph_equals_the_torch_adapter_and_catches_up_after_steps(drafted
     if drafted.artifact.manifest["precision"] != "fp32":
         pytest.skip("exact comparison in fp32; int4 is checked for losslessness")
     engine = drafted.engine
-    engine.reset()
-    engine.prefill(list(range(5, 25)))
+    seq = drafted.sequence
+    engine.prefill(seq, 0, list(range(5, 25)))
     for token in (30, 31, 32):  # the adapter KV covers the prompt, then catches up 3 steps
-        first = engine.draft_head().copy()
-        want = reference_draft_logits(adapter_file, engine.exit_states.numpy()[0, :engine.lower_len])
+        first = engine.draft_head(seq, seq.lower_len - 1).copy()
+        want = reference_draft_logits(adapter_file, seq.exit_states.numpy()[0, :seq.lower_len])
         finite = np.isfinite(want)
         assert np.array_equal(np.isfinite(first), finite) and finite.sum() == SHORTLIST
         assert np.abs(first[finite] - want[finite]).max() < 1e-4
-        engine.step(token)
+        engine.prefill(seq, seq.lower_len, [token])
 
 
 def test_greedy_speculative_with_the_draft_graph_equals_plain(drafted):

@@ -2,11 +2,11 @@
 the early exit's timing, and how the loop picks between their offers."""
 import pytest
 
-from edgespec.decoder import best_offer
-from edgespec.drafter import PROBE_STEPS, Pace, costs_by_rows
+from edgespec.drafter import PROBE_STEPS, Offer, Pace, costs_by_rows
 from edgespec.early_exit import FIRST_PAUSE, START_K, TRIAL_ROUNDS, EarlyExit
 from edgespec.lookup import (MAX_MATCH, MAX_NGRAM, MEMORY_TOKENS, PRIOR, Match, NgramIndex,
                              PromptLookup)
+from edgespec.rounds import best_offer, worth
 
 
 def indexed(history):
@@ -89,16 +89,34 @@ def test_round_costs_are_interpolated_and_extended_past_the_measured_rows():
     assert costs[1:] == pytest.approx([1.0, 1.2, 1.4, 1.6, 1.8, 2.0])
 
 
+def cost(costs):
+    """A round's cost by rows, as the planner reads it."""
+    return costs_by_rows(costs, 64).__getitem__
+
+
 def lookup(costs, k_max=8, adaptive=True, sampled=False):
-    drafter = PromptLookup(None, Pace(costs), k_max, adaptive)
+    drafter = PromptLookup(k_max, adaptive)
     drafter.new_text(sampled)
+    drafter.cost = cost(costs)  # the round's, for these tests' plans
     return drafter
+
+
+def plan(drafter, match, budget):
+    """The drafter's offer for this match and the k the planner gives it alone."""
+    keys = match.keys(min(budget, drafter.k_max))
+    offer = Offer(drafter, len(keys), chances=tuple(drafter.chances(keys)), plan=(match, keys))
+    return offer, worth(offer, drafter.cost)[0]
 
 
 def lookup_k(drafter, match, budget):
     """The k of the drafter's plan for this match (0: no offer)."""
-    offer = drafter.plan(match, min(budget, drafter.k_max)) if match else None
-    return offer.k if offer else 0
+    return plan(drafter, match, budget)[1] if match else 0
+
+
+def offered(drafters, history, budget, costs=None):
+    """The offer a round of one sequence takes, as the planner chooses it."""
+    offers = [o for o in (d.offer(history, budget) for d in drafters) if o]
+    return best_offer(offers, cost(costs or {"1": 1.0}))
 
 
 FREE_ROWS = {"1": 1.0, "64": 1.0}
@@ -110,7 +128,7 @@ def test_lookup_drafts_as_far_as_free_rows_allow_and_not_when_rows_cost_a_step()
     assert lookup_k(lookup(FREE_ROWS), long_match, budget=5) == 5
     assert lookup_k(lookup(FREE_ROWS), long_match, budget=50) == 8  # the policy's most
     assert lookup_k(lookup(DEAR_ROWS), long_match, budget=5) == 0
-    assert lookup(DEAR_ROWS).offer([1, 2, 3], budget=5) is None  # no match, no offer
+    assert offered([lookup(DEAR_ROWS)], [1, 2, 3], budget=5) is None  # no match, no offer
 
 
 CPU_ROWS = {"1": 1.0, "2": 1.25, "3": 1.45, "4": 1.65, "6": 2.05, "8": 2.45}
@@ -127,8 +145,8 @@ def test_a_copy_under_way_earns_longer_drafts_and_longer_still_while_accepted():
     drafter, copy = lookup(CPU_ROWS, k_max=32), match(MAX_MATCH, "single")
     assert lookup_k(drafter, match(6, "single"), budget=32) < lookup_k(drafter, copy, budget=32)
     for _ in range(10):  # every draft of the copy is accepted
-        offer = drafter.plan(copy, 32)
-        drafter.observe(offer, offer.k, offer.k, 1.0)
+        offer, k = plan(drafter, copy, 32)
+        drafter.observe(offer, k, k, 1.0)
     assert lookup_k(drafter, copy, budget=32) == 32
 
 
@@ -137,9 +155,9 @@ def test_lookup_learns_from_the_texts_rounds_and_forgets_with_a_new_prompt():
     first = lookup_k(drafter, short, budget=8)
     assert first > 0
     for _ in range(20):  # every draft of such matches is rejected
-        offer = drafter.plan(short, 8)
-        if offer:
-            drafter.observe(offer, offer.k, 0, 1.0)
+        offer, k = plan(drafter, short, 8)
+        if k:
+            drafter.observe(offer, k, 0, 1.0)
     assert lookup_k(drafter, short, budget=8) == 0
     drafter.new_text()
     assert lookup_k(drafter, short, budget=8) == first
@@ -159,11 +177,11 @@ def test_a_fixed_policy_drafts_what_lookup_found_up_to_k():
     assert drafter.offer(history, budget=8).k == 2
     assert drafter.offer(history, budget=1).k == 1
     offer = drafter.offer(history, budget=8)
-    assert offer.plan[0].continuation(offer.k) == [4, 1]
+    assert list(offer.tokens) == [4, 1] and not offer.chances  # the planner takes all k
 
 
 def early_exit(k_max=4, adaptive=True):
-    return EarlyExit(None, Pace(), k_max, adaptive=adaptive)
+    return EarlyExit(Pace(), k_max, adaptive=adaptive)
 
 
 def run_rounds(drafter, plain_s, round_s, tokens, rounds):
@@ -171,7 +189,7 @@ def run_rounds(drafter, plain_s, round_s, tokens, rounds):
     round that commits `tokens`; the k of each round (0: plain)."""
     used = []
     for _ in range(rounds):
-        offer = best_offer([drafter], [1, 2, 3], budget=8)
+        offer = offered([drafter], [1, 2, 3], budget=8)
         if offer is None:
             drafter.pace.record(1, plain_s, plain=True)
         else:
@@ -232,13 +250,12 @@ def test_a_new_prompt_keeps_a_losing_exit_paused():
 
 
 def test_lookup_leaves_a_round_to_an_early_exit_that_earns_more():
-    pace = Pace(CPU_ROWS)
-    exit_, look = EarlyExit(None, pace, 4, adaptive=True), PromptLookup(None, pace, 8, True)
+    exit_, look = EarlyExit(Pace(), 4, adaptive=True), PromptLookup(8, True)
     weak = [5, 7, 1, 2, 9, 1, 2]             # "1 2" seen once before
     sure = [1, 2, 3, 4, 5, 6, 7] * 3 + [1, 2, 3, 4, 5, 6]  # a long run, always followed by 7
-    assert best_offer([look, exit_], weak, 8).drafter is look  # the exit is not measured yet
+    assert offered([look, exit_], weak, 8, CPU_ROWS).drafter is look  # the exit is not measured yet
     run_rounds(exit_, plain_s=1.0, round_s=1.5, tokens=3, rounds=PROBE_STEPS + 2)
     assert exit_.offer(weak, 8) is not None  # 2 tokens a plain step's time: it earns 2x
-    assert best_offer([look, exit_], weak, 8).drafter is exit_
+    assert offered([look, exit_], weak, 8, CPU_ROWS).drafter is exit_
     look.new_text()
-    assert best_offer([look, exit_], sure, 8).drafter is look  # a sure copy earns more still
+    assert offered([look, exit_], sure, 8, CPU_ROWS).drafter is look  # a sure copy earns more still

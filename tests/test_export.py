@@ -90,9 +90,10 @@ def test_int4_graphs_compute_exactly_the_dequantized_model(arch, tie, scheme, he
             p.copy_(torch.from_numpy(w))
         want = reference(torch.tensor([ids])).logits[0].numpy()
     engine = edgespec.load(tmp_path / "a").engine
-    engine.lower(np.array(ids))
-    engine.upper(len(ids))
-    got = engine.head(engine.final_states, range(len(ids)))
+    seq = engine.new_sequence()
+    engine.lower(seq, 0, np.array(ids))
+    engine.upper(seq, 0, len(ids))
+    got = engine.head(range(len(ids)))
     assert np.abs(got - want).max() < 1e-4
 
 
@@ -243,11 +244,12 @@ def test_cuda_graphs_keep_a_residual_stream_past_fp16s_range(tmp_path):
     for device in ("cpu", "cuda"):
         export_model(str(checkpoint), tmp_path / device, device=device, log=quiet)
         engine = edgespec.load(tmp_path / device, device="cpu").engine
-        engine.lower(np.array(ids))
-        engine.upper(len(ids))
+        seq = engine.new_sequence()
+        engine.lower(seq, 0, np.array(ids))
+        engine.upper(seq, 0, len(ids))
         states = engine.final_states.numpy()[0, :len(ids)]
         assert np.abs(states).max() > 65504 and np.isfinite(states).all(), device
-        logits[device] = engine.head(engine.final_states, range(len(ids))).astype(np.float32)
+        logits[device] = engine.head(range(len(ids))).astype(np.float32)
     manifest = json.loads((tmp_path / "cuda" / "manifest.json").read_text())
     assert (manifest["activation_dtype"], manifest["residual_dtype"]) == ("float16", "float32")
     # what is left is the fp16 layers' own rounding

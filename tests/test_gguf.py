@@ -99,9 +99,10 @@ def test_a_gguf_exports_to_the_logits_of_the_checkpoint_it_was_written_from(arch
     with torch.no_grad():
         want = reference(torch.tensor([ids])).logits[0].numpy()
     engine = edgespec.load(tmp_path / "a").engine
-    engine.lower(np.array(ids))
-    engine.upper(len(ids))
-    assert np.abs(engine.head(engine.final_states, range(len(ids))) - want).max() < 1e-4
+    seq = engine.new_sequence()
+    engine.lower(seq, 0, np.array(ids))
+    engine.upper(seq, 0, len(ids))
+    assert np.abs(engine.head(range(len(ids))) - want).max() < 1e-4
 
 
 def test_gguf_weights_are_read_one_tensor_at_a_time(gguf_pair):

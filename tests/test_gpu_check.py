@@ -11,7 +11,7 @@ import pytest
 from gguf_files import make_gguf
 from onnx import TensorProto, helper
 
-import edgespec.decoder
+import edgespec.rounds
 from benchmarks import gpu_check, host_copies
 from edgespec.bench import load_prompts
 from edgespec.engine import set_threads
@@ -74,7 +74,7 @@ def test_a_cpu_rehearsal_exports_a_gguf_checks_it_and_an_artifact_and_passes(
 def test_speculative_output_that_leaves_plain_fails_the_check(tiny_int4, prompts, tmp_path,
                                                               monkeypatch):
     # a verifier that accepts every draft: speculative replies leave plain ones
-    monkeypatch.setattr(edgespec.decoder, "accept",
+    monkeypatch.setattr(edgespec.rounds, "accept",
                         lambda sampler, drafts, logits, history:
                         drafts + [sampler(logits[len(drafts)], history, drafts)])
     out = tmp_path / "verdict.json"

@@ -17,12 +17,12 @@ def reference_logits(checkpoint, ids):
 
 def artifact_logits(model, ids, prefill):
     """Logits at every position: `prefill` tokens in one pass, then one token per step."""
-    engine = model.engine
-    engine.reset()
-    engine.lower(np.array(ids[:prefill]))
-    engine.upper(prefill)
-    rows = [engine.head(engine.final_states, range(prefill)).copy()]
-    rows += [engine.step(t)[None].copy() for t in ids[prefill:]]
+    engine, seq = model.engine, model.sequence  # lower at 0 forgets what it held
+    engine.lower(seq, 0, np.array(ids[:prefill]))
+    engine.upper(seq, 0, prefill)
+    rows = [engine.head(range(prefill)).copy()]
+    rows += [engine.prefill(seq, position, [t])[None].copy()
+             for position, t in enumerate(ids[prefill:], prefill)]
     return np.concatenate(rows)
 
 
@@ -72,8 +72,7 @@ def test_prefill_longer_than_a_chunk_matches_transformers(tiny_checkpoint, tiny_
     from edgespec.engine import CHUNK
     ids = prompt(CHUNK + 40, seed=5)
     model = edgespec.load(tiny_fp32)
-    model.engine.reset()
-    got = model.engine.prefill(ids)
+    got = model.engine.prefill(model.sequence, 0, ids)
     want = reference_logits(tiny_checkpoint, ids)[-1]
     assert np.abs(got - want).max() < 1e-4
 
@@ -82,24 +81,23 @@ def test_a_token_run_alone_gets_the_bits_it_gets_among_others(tiny_fp32):
     from edgespec.engine import CHUNK
     ids = prompt(CHUNK + 1, seed=6)
     engine = edgespec.load(tiny_fp32).engine
-    engine.reset()
-    chunked = engine.prefill(ids).copy()
-    engine.reset()
-    engine.lower(np.array(ids[:CHUNK - 1]))
-    engine.upper(CHUNK - 1)
-    engine.lower(np.array(ids[CHUNK - 1:]))
-    engine.upper(2)
-    np.testing.assert_array_equal(chunked, engine.head(engine.final_states, [1])[0])
+    seq = engine.new_sequence()
+    chunked = engine.prefill(seq, 0, ids).copy()
+    seq.rollback(0)
+    engine.lower(seq, 0, np.array(ids[:CHUNK - 1]))
+    engine.upper(seq, 0, CHUNK - 1)
+    engine.lower(seq, CHUNK - 1, np.array(ids[CHUNK - 1:]))
+    engine.upper(seq, CHUNK - 1, 2)
+    np.testing.assert_array_equal(chunked, engine.head([1])[0])
 
 
 def final_states_in_calls_of(engine, ids, size):
     """The final hidden state of every id, the ids run `size` at a time."""
-    engine.reset()
-    rows = []
+    seq, rows = engine.new_sequence(), []
     for at in range(0, len(ids), size):
         piece = ids[at:at + size]
-        engine.lower(np.array(piece))
-        engine.upper(len(piece))
+        engine.lower(seq, at, np.array(piece))
+        engine.upper(seq, at, len(piece))
         rows.append(engine.final_states.numpy()[0, :len(piece)].copy())
     return np.concatenate(rows)
 
@@ -131,18 +129,18 @@ def test_int4_rows_get_the_same_bits_alone_and_in_calls_of_any_size(tiny_int4):
 def test_rolling_back_the_cache_length_reproduces_logits(tiny_fp32):
     model = edgespec.load(tiny_fp32)
     engine, ids = model.engine, prompt(16, seed=7)
-    engine.reset()
-    engine.prefill(ids)
-    first = [engine.step(t).copy() for t in (11, 12, 13)]
-    engine.lower_len -= 3  # forget the three steps without touching the buffers
-    engine.upper_len -= 3
-    again = [engine.step(t).copy() for t in (11, 12, 13)]
+    seq = engine.new_sequence()
+    engine.prefill(seq, 0, ids)
+    first = [engine.prefill(seq, seq.lower_len, [t]).copy() for t in (11, 12, 13)]
+    seq.lower_len -= 3  # forget the three steps without touching the buffers
+    seq.upper_len -= 3
+    again = [engine.prefill(seq, seq.lower_len, [t]).copy() for t in (11, 12, 13)]
     np.testing.assert_array_equal(np.array(first), np.array(again))
 
 
 def test_kv_buffers_are_allocated_once_and_reused(tiny_fp32):
     model = edgespec.load(tiny_fp32)
-    pointers = {name: value.data_ptr() for name, value in model.engine.kv.items()}
+    pointers = {name: value.data_ptr() for name, value in model.sequence.kv.items()}
     model.generate_ids(prompt(8), max_new_tokens=20)
     model.generate_ids(prompt(30), max_new_tokens=20)
-    assert {name: value.data_ptr() for name, value in model.engine.kv.items()} == pointers
+    assert {name: value.data_ptr() for name, value in model.sequence.kv.items()} == pointers

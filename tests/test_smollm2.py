@@ -83,11 +83,11 @@ def test_int4_top1_agrees_with_fp32_along_its_continuations(smollm2_int4, fp32, 
     for ids, tokens in continuations:
         picks = []
         for model in (fp32, int4):
-            engine = model.engine
-            engine.reset()
-            first = engine.prefill(ids)
+            engine, seq = model.engine, model.sequence  # prefill at 0 forgets what it held
+            first = engine.prefill(seq, 0, ids)
             picks.append([int(np.argmax(first))] +
-                         [int(np.argmax(engine.step(t))) for t in tokens[:-1]])
+                         [int(np.argmax(engine.prefill(seq, position, [t])))
+                          for position, t in enumerate(tokens[:-1], len(ids))])
         # fp32 retraces the continuation (its own greedy reply, and transformers'): each
         # position compared is the one meant, not shifted or cut short
         assert picks[0] == tokens and len(picks[1]) == len(tokens) == 64
@@ -157,12 +157,14 @@ def test_shipped_adapter_drafts_closer_to_the_verifier_than_the_raw_exit(drafted
     for text in PROMPTS:
         ids = drafted.encode(text)
         reply = drafted.generate_ids(ids, 64, mode="plain", temperature=0).tokens
-        engine.reset()
-        engine.prefill(ids)
+        seq = drafted.sequence
+        engine.prefill(seq, 0, ids)
         for token in reply[:-1]:
-            raw = int(np.argmax(engine.head(engine.exit_states, [engine.lower_len - 1])[0]))
-            adapted = int(np.argmax(engine.draft_head()))
-            engine.step(token)
+            newest = seq.lower_len - 1
+            # the raw exit: the shared head on the exit state (head() reads final states only)
+            raw = int(np.argmax(engine._logits(engine._run_head(seq.exit_states, [newest]))[0, 0]))
+            adapted = int(np.argmax(engine.draft_head(seq, newest)))
+            engine.prefill(seq, seq.lower_len, [token])
             hits["raw"] += raw == token
             hits["adapter"] += adapted == token
             n += 1

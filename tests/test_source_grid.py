@@ -89,9 +89,10 @@ def test_residual_columns_keep_each_minimum_within_a_step_of_the_rows_residuals(
 
 def logits(path, ids):
     engine = edgespec.load(path).engine
-    engine.lower(np.array(ids))
-    engine.upper(len(ids))
-    return engine.head(engine.final_states, range(len(ids)))
+    seq = engine.new_sequence()
+    engine.lower(seq, 0, np.array(ids))
+    engine.upper(seq, 0, len(ids))
+    return engine.head(range(len(ids)))
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import pytest
 from helpers import make_checkpoint, quiet
 
 import edgespec
-from edgespec.decoder import Decoder, accept
-from edgespec.drafter import Pace
+from edgespec import rounds
 from edgespec.early_exit import EarlyExit
 from edgespec.errors import EdgespecError
+from edgespec.rounds import Drafting, accept
 from edgespec.sampling import SAMPLING_FIELDS, Sampler, SamplingParams, distribution
 from edgespec.export.pipeline import export_model
 
@@ -118,7 +118,7 @@ def test_a_full_context_stops_both_modes_at_the_same_token(tiny_checkpoint, tmp_
 def exact_joint(model, ids, params, length):
     """The verifier's probability of every continuation of `length` tokens (plain steps)."""
     table = {}
-    engine = model.engine
+    engine, seq = model.engine, model.engine.new_sequence()
 
     def walk(prefix, prob, logits):
         p = distribution(logits, ids + list(prefix), params)
@@ -127,11 +127,9 @@ def exact_joint(model, ids, params, length):
             if len(path) == length:
                 table[path] = mass
                 continue
-            engine.lower_len = engine.upper_len = len(ids) + len(prefix)
-            walk(path, mass, engine.step(int(token)).copy())
+            walk(path, mass, engine.prefill(seq, len(ids) + len(prefix), [int(token)]).copy())
 
-    engine.reset()
-    walk((), 1.0, engine.prefill(ids).copy())
+    walk((), 1.0, engine.prefill(seq, 0, ids).copy())
     return table
 
 
@@ -189,11 +187,11 @@ def test_lookup_drafts_accepted_as_point_masses_keep_the_verifiers_distribution(
     # a lookup draft d is accepted when the verifier's draw at its position is d: with
     # p(d). Then the first committed token has distribution p, the bonus after d p'.
     params, ids, engine = SamplingParams(temperature=1.0, top_k=5), prompt(11), tiny_model.engine
-    engine.reset()
-    first_logits = engine.prefill(ids).copy()
+    seq = engine.new_sequence()
+    first_logits = engine.prefill(seq, 0, ids).copy()
     p = distribution(first_logits, ids, params)
     draft = int(np.argsort(p)[-2])  # likely, but not the likeliest token
-    logits = np.stack([first_logits, engine.step(draft)])
+    logits = np.stack([first_logits, engine.prefill(seq, len(ids), [draft])])
     after = distribution(logits[1], ids + [draft], params)
     expected = {(int(t),): p[t] for t in np.flatnonzero(p) if t != draft}
     expected.update({(draft, int(t)): p[draft] * after[t] for t in np.flatnonzero(after)})
@@ -207,44 +205,54 @@ def test_lookup_drafts_accepted_as_point_masses_keep_the_verifiers_distribution(
 class RecordingExit(EarlyExit):
     """Keeps each round's drafts, so that the statistics can be checked against counts made
     from what the rounds did rather than by the loop's own bookkeeping."""
+    drafts = []
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.drafts = []
+    def offer(self, history, budget):
+        offer = super().offer(history, budget)
+        if offer:  # the only drafter: its offer is the round's
+            self.drafts.append([])
+        return offer
 
-    def draft(self, *args):
-        drafts = super().draft(*args)
-        self.drafts.append(list(drafts))
-        return drafts
+    def next_draft(self, *args):
+        draft = super().next_draft(*args)
+        self.drafts[-1].append(draft)
+        return draft
 
 
 def common_prefix(a, b) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def test_statistics_count_rounds_drafts_and_acceptance(tiny_model):
-    engine, ids, pace = tiny_model.engine, prompt(3), Pace()
-    engine.reset()
-    drafter = RecordingExit(engine, pace, 3)
-    decoder = Decoder(engine, Sampler(SamplingParams()), [drafter], pace)
-    committed = list(decoder.rounds(engine.prefill(ids).copy(), list(ids), 30))
-    first, rounds, drafts = committed[0], committed[1:], drafter.drafts
+def test_statistics_count_rounds_drafts_and_acceptance(tiny_model, monkeypatch):
+    monkeypatch.setattr(rounds, "DRAFTERS", (RecordingExit,))
+    monkeypatch.setattr(tiny_model, "drafting", Drafting())
+    monkeypatch.setattr(RecordingExit, "drafts", [])
+    ids = prompt(3)
+    batch = tiny_model.batch(1)
+    request = batch.add(ids, tiny_model.settings(max_new_tokens=30, draft_k=3, lookup_k=0,
+                                                 adaptive=False, temperature=0))
+    committed, before = [], len(ids)
+    while batch.busy:  # a step: the prompt and the first token, then a round each
+        batch.step()
+        committed.append(request.history[before:])
+        before = len(request.history)
+    first, rounds_, drafts = committed[0], committed[1:], RecordingExit.drafts
     assert len(first) == 1 and sum(map(len, committed)) == 30
-    plain = len(rounds) - len(drafts)  # a round with no room for a draft: the last
+    plain = len(rounds_) - len(drafts)  # a round with no room for a draft: the last
     assert len(drafts) > 1 and plain in (0, 1)
     drafts = drafts + [[]] * plain
     # greedy: a round commits the drafts the verifier agreed with, then its own token
-    accepted = [common_prefix(c, d) for c, d in zip(rounds, drafts)]
-    assert [len(c) for c in rounds] == [a + 1 for a in accepted]
-    drafted, stats = sum(map(len, drafts)), decoder.stats
-    assert (stats.rounds, stats.drafted, stats.accepted) == (len(rounds), drafted, sum(accepted))
+    accepted = [common_prefix(c, d) for c, d in zip(rounds_, drafts)]
+    assert [len(c) for c in rounds_] == [a + 1 for a in accepted]
+    drafted, stats = sum(map(len, drafts)), request.result.stats
+    assert (stats.rounds, stats.drafted, stats.accepted) == (len(rounds_), drafted, sum(accepted))
     assert list(stats.drafters) == ["exit"]
     exit_ = stats.drafters["exit"]
     assert (exit_.rounds, exit_.drafted, exit_.accepted) == \
         (len(drafts) - plain, drafted, sum(accepted))
     assert stats.plain_steps == plain
     assert stats.acceptance == pytest.approx(sum(accepted) / drafted)
-    assert stats.tokens_per_round == pytest.approx((30 - len(first)) / len(rounds))
+    assert stats.tokens_per_round == pytest.approx((30 - len(first)) / len(rounds_))
 
 
 @pytest.mark.parametrize("options, message", [
@@ -260,21 +268,20 @@ def test_invalid_draft_options_are_refused(tiny_model, options, message):
 def test_rollback_forgets_rejected_drafts_in_place(tiny_model):
     """After rounds with rejected drafts the cache holds exactly the committed tokens, and
     its keys and values are those a fresh prefill of them gives; the buffers never move."""
-    engine = tiny_model.engine
-    pointers = {name: value.data_ptr() for name, value in engine.kv.items()}
-    exit_states = engine.exit_states.data_ptr()
+    engine, seq = tiny_model.engine, tiny_model.sequence
+    pointers = {name: value.data_ptr() for name, value in seq.kv.items()}
+    exit_states = seq.exit_states.data_ptr()
     for k, seed in itertools.product((2, 5), range(2)):
         ids = prompt(seed)
         result = tiny_model.generate_ids(ids, 30, draft_k=k, adaptive=False)
         assert result.stats.drafted > result.stats.accepted  # some drafts were rolled back
         committed = ids + result.tokens[:-1]  # the last token is not fed yet
-        assert engine.cached_tokens() == committed
-        after = engine.step(result.tokens[-1]).copy()
-        engine.reset()
-        fresh = engine.prefill(committed + result.tokens[-1:]).copy()
+        assert seq.cached_tokens() == committed
+        after = engine.prefill(seq, len(committed), result.tokens[-1:]).copy()
+        fresh = engine.prefill(seq, 0, committed + result.tokens[-1:]).copy()
         np.testing.assert_allclose(after, fresh, rtol=0, atol=1e-5)
-    assert {n: v.data_ptr() for n, v in engine.kv.items()} == pointers
-    assert engine.exit_states.data_ptr() == exit_states
+    assert {n: v.data_ptr() for n, v in seq.kv.items()} == pointers
+    assert seq.exit_states.data_ptr() == exit_states
 
 
 @pytest.mark.parametrize("arch, residual", [("llama", np.float16), ("gemma3", np.float32)])

@@ -62,7 +62,7 @@ class Worker(threading.Thread):
         self.batch = model.batch(parallel)
         self.metrics = metrics or Metrics()
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
-        self.running = {}  # Member -> its Job
+        self.running = {}  # Request -> its Job
 
     @property
     def busy(self) -> bool:
@@ -79,15 +79,15 @@ class Worker(threading.Thread):
             try:
                 events = batch.step()
             except Exception as e:  # a runtime failure fails the replies of that round
-                for member in batch.clear():
-                    self._fail(self.running.pop(member), e)
+                for reply in batch.clear():
+                    self._fail(self.running.pop(reply), e)
                 continue
             self.metrics.round_done(batch.committed - before[0], batch.rounds - before[1],
                                     batch.rows - before[2])
-            for member, piece in events:
-                self.running[member].events.put(piece.text)
-            for member in [m for m in self.running if m.result is not None]:
-                self._end(self.running.pop(member), member.result)
+            for reply, piece in events:
+                self.running[reply].events.put(piece.text)
+            for reply in [m for m in self.running if m.result is not None]:
+                self._end(self.running.pop(reply), reply.result)
 
     def _admit(self):
         """Queued jobs into the batch while it has room (waiting for one when nothing
@@ -104,9 +104,9 @@ class Worker(threading.Thread):
                 self.running[self.batch.add(job.prompt_ids, job.settings, job.owner)] = job
             except Exception as e:  # a job the model refuses fails alone
                 self._fail(job, e)
-        for member, job in self.running.items():
+        for reply, job in self.running.items():
             if job.cancelled.is_set():
-                self.batch.cancel(member)
+                self.batch.cancel(reply)
 
     def _fail(self, job, error):
         self.counts["failed"] += 1
