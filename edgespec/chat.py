@@ -8,13 +8,12 @@ import threading
 from .errors import EdgespecError
 from .model import stop_reply
 from .sampling import SamplingParams
-from .settings import CATALOGUE, DRAFT, SAMPLING
+from .options import CATALOGUE, DRAFT, SAMPLING
 from .tokenizer import check_utf8
 
-# what /set changes: every option of the catalogue but the per-call ones, each read from
-# its text by its type (a flag as 0 or 1)
-SETTINGS = {option.name: (lambda text: bool(int(text))) if option.kind is bool else option.kind
-            for option in (*SAMPLING, CATALOGUE["max_new_tokens"], *DRAFT, CATALOGUE["mode"])}
+# what /set changes: every option of the catalogue but the per-reply ones (stop, ignore_eos)
+SETTINGS = tuple(option.name for option in
+                 (*SAMPLING, CATALOGUE["max_new_tokens"], *DRAFT, CATALOGUE["mode"]))
 HELP = "\n".join([
     "commands:",
     "  /help                 this list",
@@ -73,9 +72,9 @@ class ChatSession:
             self.say(f"[unknown setting {name}; one of {', '.join(SETTINGS)}]")
             return
         try:
-            settings = {**self.settings, name: SETTINGS[name](value)}
+            settings = {**self.settings, name: CATALOGUE[name].read(value)}
             self.model.settings(**settings)
-        except (ValueError, EdgespecError) as e:
+        except EdgespecError as e:
             self.say(f"[not set: {e}]")
             return
         self.settings = settings

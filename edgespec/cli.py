@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from .errors import EdgespecError
-from .settings import CATALOGUE, DRAFT, SAMPLING
+from .options import CATALOGUE, DRAFT, SAMPLING
+from .sampling import CHAT_DEFAULTS
 from .tokenizer import check_utf8
 
 EXAMPLES = """examples:
@@ -115,7 +116,7 @@ def _generate_args(sub, common):
     p.add_argument("-p", "--prompt", required=True, help="the user message (or raw text with --raw)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--system", help="a system message for the chat template")
-    _reply_args(p, max_new_tokens=256)
+    _reply_args(p, per_reply=True)
     _sampling_args(p)
     _draft_args(p)
     p.add_argument("--json", action="store_true",
@@ -127,32 +128,40 @@ def _generate_args(sub, common):
     p.set_defaults(run=_generate)
 
 
-def _reply_args(p, max_new_tokens):
-    option = CATALOGUE["max_new_tokens"]
-    p.add_argument(option.flag, type=int, default=max_new_tokens,
-                   help=f"{option.help} (default: {max_new_tokens})")
-    p.add_argument("--plain", action="store_true",
-                   help="plain decoding (default: self-speculative, the same output)")
+def _reply_args(p, max_new_tokens=None, per_reply=False):
+    """The reply's flags: --max-new-tokens (this command's default, else the catalogue's),
+    --mode, --stop and, for a command that makes one reply, --ignore-eos."""
+    _option_flag(p, CATALOGUE["max_new_tokens"], max_new_tokens)
+    _option_flag(p, CATALOGUE["mode"])
     option = CATALOGUE["stop"]
     p.add_argument(option.flag, action="append", metavar="TEXT",
                    help=f"{option.help}; repeatable")
+    if per_reply:
+        _option_flag(p, CATALOGUE["ignore_eos"])
 
 
-def _catalogue_args(group, options):
-    """A flag for each option (not given: None, the model's value)."""
-    for option in options:
-        if option.kind is bool:
-            group.add_argument(option.flag, action=argparse.BooleanOptionalAction,
-                               default=None, help=option.help)
-        else:
-            group.add_argument(option.flag, type=option.kind, default=None, help=option.help)
+def _option_flag(group, option, default=None):
+    """The flag of a catalogue option, its text read by the option's kind and checked with
+    the others in _options (a bad value is one error line); its help gives the range and
+    the default. Not given: `default`, else None (the model's, or the catalogue's)."""
+    shown = default if default is not None else option.default_text or option.default
+    if option.kind is bool:
+        shown = {True: "on", False: "off"}.get(shown, shown)
+        group.add_argument(option.flag, action=argparse.BooleanOptionalAction, default=None,
+                           help=f"{option.help} (default: {shown})")
+    else:
+        choices = "{" + ",".join(option.choices) + "}" if option.choices else None
+        group.add_argument(option.flag, type=option.read, default=default, metavar=choices,
+                           help=f"{option.help}; {option.expected} (default: {shown})")
 
 
 def _sampling_args(p):
-    _catalogue_args(p.add_argument_group(
+    group = p.add_argument_group(
         "sampling", "Settings not given are the model's: those its checkpoint recommends "
-        "(generation_config.json), else temperature 0.8, top-k 40, top-p 0.9, repetition "
-        "penalty 1.1. --temperature 0 is plain greedy (penalties only if given)."), SAMPLING)
+        f"(generation_config.json), else {CHAT_DEFAULTS.describe()}. --temperature 0 is "
+        "plain greedy (penalties only if given).")
+    for option in SAMPLING:
+        _option_flag(group, option)
 
 
 def _chat_args(sub, common):
@@ -178,21 +187,19 @@ def _chat(args):
 
 
 def _draft_args(p):
-    _catalogue_args(p.add_argument_group("drafting"), DRAFT)
+    group = p.add_argument_group("drafting", "Settings not given are the artifact's, "
+                                 "measured when it was exported.")
+    for option in DRAFT:
+        _option_flag(group, option)
 
 
 def _options(args) -> dict:
     """The generation options given on the command line, by their flat names (None: the
     model's), checked before anything loads."""
     from .settings import Settings
-    options = {option.name: getattr(args, option.name) for option in (*SAMPLING, *DRAFT)}
-    options["max_new_tokens"] = args.max_new_tokens
-    if hasattr(args, "plain"):
-        options["mode"] = "plain" if args.plain else "speculative"
-    if getattr(args, "stop", None):
-        for text in args.stop:
-            check_utf8(text, "a stop string (--stop)")
-        options["stop"] = args.stop
+    options = {name: getattr(args, name) for name in CATALOGUE if hasattr(args, name)}
+    for text in options.get("stop") or ():
+        check_utf8(text, "a stop string (--stop)")
     Settings().with_options(**options)
     return options
 
@@ -208,7 +215,7 @@ def _bench_args(sub, common):
                           "its solo run.")
     p.add_argument("--prompts", help="a JSONL file of {question_id, category, turns} "
                    "(default: a small built-in set; Spec-Bench's question.jsonl works)")
-    p.add_argument("--max-new-tokens", type=_positive, default=128, help="default: 128")
+    _option_flag(p, CATALOGUE["max_new_tokens"], 128)
     p.add_argument("--limit", type=int, help="at most this many prompts")
     p.add_argument("--per-category", type=int, help="the N lowest question ids of each category")
     p.add_argument("--categories", nargs="+", help="only these categories")
@@ -368,7 +375,7 @@ def _desktop_args(sub, common):
                           "A desktop chat window that runs the model in this process: the "
                           "reply streams in while the window stays responsive, Stop ends it, "
                           "and the status line gives its numbers (tokens/s, acceptance).")
-    _reply_args(p, max_new_tokens=256)
+    _reply_args(p)
     _sampling_args(p)
     _draft_args(p)
     _runtime_args(p)

@@ -30,7 +30,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from .errors import SettingError, is_int
+from .options import DEFAULT, SAMPLING
 
 # Without a top-k or top-p or min-p filter every token keeps some probability: tokens whose
 # weight is below this fraction of the likeliest's are drawn, in id order, only when the
@@ -41,35 +41,21 @@ SMALLEST = 5e-324  # the smallest positive float64: a weight below it is 0
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0       # 0: greedy
-    top_k: int = 0                 # 0: off
-    top_p: float = 1.0             # 1: off
-    min_p: float = 0.0             # 0: off
-    repetition_penalty: float = 1.0  # 1: off; divides seen tokens' positive logits (CTRL)
-    presence_penalty: float = 0.0   # 0: off; subtracted from every seen token's logit
-    frequency_penalty: float = 0.0  # 0: off; subtracted once per occurrence (OpenAI's)
-    seed: int = None
+    """The sampling options (options.SAMPLING: their defaults, ranges and help)."""
+    temperature: float = DEFAULT["temperature"]
+    top_k: int = DEFAULT["top_k"]
+    top_p: float = DEFAULT["top_p"]
+    min_p: float = DEFAULT["min_p"]
+    # repetition divides seen tokens' positive logits (CTRL's); presence is subtracted from
+    # every seen token's logit, frequency once per occurrence (OpenAI's)
+    repetition_penalty: float = DEFAULT["repetition_penalty"]
+    presence_penalty: float = DEFAULT["presence_penalty"]
+    frequency_penalty: float = DEFAULT["frequency_penalty"]
+    seed: int = DEFAULT["seed"]
 
     def __post_init__(self):
-        checks = [
-            ("temperature", self.temperature, self.temperature >= 0, "a number >= 0 (0 is greedy)"),
-            ("top-k", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0,
-             "an integer >= 0 (0 is off)"),
-            ("top-p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
-            ("min-p", self.min_p, 0 <= self.min_p < 1, "in [0, 1)"),
-            ("repetition-penalty", self.repetition_penalty, self.repetition_penalty > 0,
-             "a number > 0 (1 is off)"),
-            ("presence-penalty", self.presence_penalty, -2 <= self.presence_penalty <= 2,
-             "in [-2, 2] (0 is off)"),
-            ("frequency-penalty", self.frequency_penalty, -2 <= self.frequency_penalty <= 2,
-             "in [-2, 2] (0 is off)"),
-            ("seed", self.seed, self.seed is None or is_int(self.seed, 0, 2**63),
-             "an integer in [0, 2**63)"),
-        ]
-        for name, value, ok, expected in checks:
-            if not ok or (isinstance(value, float) and not np.isfinite(value)):
-                raise SettingError(f"invalid {name} {value}: it must be {expected}",
-                                   name.replace("-", "_"))
+        for option in SAMPLING:
+            option.check(getattr(self, option.name))
 
     def with_options(self, **given) -> "SamplingParams":
         """These settings with the given fields replaced (None: not given, keep ours). A
@@ -112,8 +98,7 @@ class SamplingParams:
 # What a reply samples with when the model recommends nothing (a GGUF carries no sampling
 # settings): the usual settings of local chat tools. Greedy is --temperature 0.
 CHAT_DEFAULTS = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.1)
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty")
+SAMPLING_FIELDS = tuple(option.name for option in SAMPLING if option.name != "seed")
 
 
 class TokenCounts:

@@ -97,7 +97,7 @@ def test_edgespec_desktop_opens_the_window_with_the_options_given(display, tiny_
         root.destroy()
     monkeypatch.setattr(chat_window, "ChatWindow", window)
     monkeypatch.setattr(tk.Tk, "mainloop", mainloop)
-    assert main(["desktop", str(tiny_int4), "--plain", "--max-new-tokens", "5",
+    assert main(["desktop", str(tiny_int4), "--mode", "plain", "--max-new-tokens", "5",
                  "--temperature", "0", "--threads", "1"]) == 0
     reply = windows[0].last
     assert (reply.mode, reply.sampling["temperature"]) == ("plain", 0.0)

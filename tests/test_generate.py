@@ -30,7 +30,7 @@ def test_json_output_has_the_documented_fields(tiny_int4):
 
 def test_plain_and_speculative_cli_runs_print_the_same_greedy_text(tiny_int4):
     args = ["generate", tiny_int4, "-p", "the lazy dog", "--max-new-tokens", "24", "--json"]
-    plain = json.loads(run_cli(*args, "--plain").stdout)
+    plain = json.loads(run_cli(*args, "--mode", "plain").stdout)
     spec = json.loads(run_cli(*args, "--draft-k", "3").stdout)
     assert plain["mode"] == "plain" and spec["mode"] == "speculative"
     assert plain["tokens"] == spec["tokens"]

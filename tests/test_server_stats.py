@@ -79,7 +79,8 @@ def test_plain_mode_drafts_nothing_and_says_the_same(client):
 
 
 def test_an_unknown_mode_is_a_400(client):
-    with pytest.raises(openai.BadRequestError, match="unknown mode turbo; available: speculative, plain"):
+    with pytest.raises(openai.BadRequestError,
+                       match="invalid mode 'turbo': it must be one of speculative, plain"):
         client.chat.completions.create(max_tokens=4, extra_body={"mode": "turbo"},
                                        **{k: v for k, v in ASK.items() if k != "extra_body"})
 

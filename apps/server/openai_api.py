@@ -1,11 +1,16 @@
 """The OpenAI API's shapes: requests to generation options, results to response bodies."""
 import json
-import math
 import time
 import uuid
 
+from edgespec.errors import SettingError
+from edgespec.options import CATALOGUE, SAMPLING
 from edgespec.sampling import SAMPLING_FIELDS
-from edgespec.settings import SAMPLING, SettingError
+
+# the generation options a request gives by their own names, each checked by its catalogue
+# entry (the draft policy is the artifact's); besides them max_tokens (max_new_tokens) and
+# stop, a string or a list that Settings checks
+FIELDS = (*(option.name for option in SAMPLING), "mode", "ignore_eos")
 
 
 class BadRequest(Exception):
@@ -38,28 +43,6 @@ def _shown(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _number(body, name, default, integer=False):
-    """A numeric field (absent or null: the default). Integers may be as long as JSON
-    makes them; other numbers must be finite floats."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if integer and (isinstance(value, int) or value.is_integer()):
-            return int(value)
-        if not integer and _finite(value):
-            return float(value)
-    raise BadRequest(f"{name} must be {'an integer' if integer else 'a finite number'}, "
-                     f"not {_shown(value)}", name)
-
-
-def _finite(value) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an integer too long for a float
-        return False
-
-
 def _flag(body, name, param=None) -> bool:
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
@@ -67,13 +50,26 @@ def _flag(body, name, param=None) -> bool:
     return bool(value)
 
 
+def _option(body, field, name=None):
+    """A field that is a generation option (`name`, default: the field's own), checked by
+    its catalogue entry; absent or null: None, not given."""
+    option, value = CATALOGUE[name or field], body.get(field)
+    if option.kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON has one kind of number: 2.0 is the integer 2
+    try:
+        return option.check(value, field) if value is not None else None
+    except SettingError as e:
+        raise BadRequest(str(e), field) from None
+
+
 def _max_new_tokens(body, cap) -> int:
     # max_completion_tokens (the newer name) wins when given, even when it is invalid
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
-    value = _number(body, name, min(256, cap or 256), integer=True)
-    if value < 1:
-        raise BadRequest(f"{name} must be >= 1, not {value}", name)
+    value = _option(body, name, "max_new_tokens")
+    if value is None:
+        default = CATALOGUE["max_new_tokens"].default
+        return min(default, cap) if cap else default
     if cap and value > cap:
         raise BadRequest(f"{name} {value} is above this server's limit of {cap} tokens a "
                          "reply (its --max-tokens)", name)
@@ -86,19 +82,18 @@ def generation_settings(body: dict, model, allow_ignore_eos: bool = False,
     model's default). ignore_eos is refused unless the server allows it: it lets one request
     hold the worker for a whole context. max_tokens: the most tokens a reply may ask for
     (None: no limit but the context)."""
-    if _number(body, "n", 1, integer=True) != 1:
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
         raise BadRequest("only n = 1 is supported", "n")
     _refuse_unsupported(body)
-    options = {option.name: _number(body, option.name, None, integer=option.kind is int)
-               for option in SAMPLING}
+    options = {name: _option(body, name) for name in FIELDS}
     if (options["temperature"] or 0) > 2:
-        raise BadRequest("temperature must be in [0, 2]", "temperature")
-    ignore_eos = _flag(body, "ignore_eos")
-    if ignore_eos and not allow_ignore_eos:
+        raise BadRequest(f"temperature {options['temperature']} is above 2, the most this "
+                         "server takes (OpenAI's range is [0, 2])", "temperature")
+    if options["ignore_eos"] and not allow_ignore_eos:
         raise BadRequest("ignore_eos is off on this server (a reply could hold it for a whole "
                          "context); start it with --allow-ignore-eos", "ignore_eos")
-    options.update(max_new_tokens=_max_new_tokens(body, max_tokens), stop=_stops(body),
-                   ignore_eos=ignore_eos, mode=body.get("mode"))
+    options.update(max_new_tokens=_max_new_tokens(body, max_tokens), stop=_stops(body))
     try:
         return model.settings(**options)
     except SettingError as e:
@@ -121,13 +116,12 @@ def _refuse_unsupported(body):
 
 
 def _stops(body):
-    """The stop strings as given (Settings checks how many and how long)."""
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if isinstance(stop, list):
-        for s in stop:
-            if isinstance(s, str):
-                _unicode(s, "stop")
+    """The stop strings as given, a string or a list (Settings checks how many and how
+    long: an empty one is refused, as in the Python API)."""
+    stop = body.get("stop")
+    for text in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []:
+        if isinstance(text, str):
+            _unicode(text, "stop")
     return stop
 
 
