@@ -15,14 +15,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import edgespec  # noqa: E402
-from edgespec.drafter import Pace  # noqa: E402
+from edgespec.drafter import PlainSpeed  # noqa: E402
 from edgespec.lookup import LENGTHS, PRIOR, PromptLookup  # noqa: E402
 from benchmarks.plain_decode import pick_prompts  # noqa: E402
 
 
 def replay(texts, k) -> tuple:
     """(hits, tries) by (bucket, kind) over (prompt ids, reply ids) pairs, in order."""
-    lookup = PromptLookup(None, Pace(), k_max=k, adaptive=False)
+    lookup = PromptLookup(None, PlainSpeed(), k_max=k, adaptive=False)
     hits, tries = {}, {}
     for prompt, reply in texts:
         lookup.new_text()

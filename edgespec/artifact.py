@@ -15,7 +15,7 @@ FORMAT_VERSION = 3  # 2: attention pad rows (engine.py), int4 zero points; 3: ba
 MANIFEST = "manifest.json"
 GRAPHS = ("lower", "upper", "head")
 BATCH_GRAPHS = ("lower", "upper")  # each also as lower_x{slots}: that many sequences at once
-BATCH_SLOTS = (2, 4, 8)
+BATCH_SIZES = (2, 4, 8)
 DRAFT_GRAPH, DRAFT_VOCAB = "draft", "draft_vocab.npy"  # optional: exit adapter, shortlist
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 ARCH_NUMBERS = ("vocab_size", "hidden_size", "num_layers", "num_kv_heads", "head_dim")
@@ -181,10 +181,10 @@ def _check_manifest(manifest, problem):
                     manifest.get("threads"), "an integer in 1..4096")
     batches = manifest.get("batch_round_costs", {})
     problem.require(isinstance(batches, dict) and all(
-        k in map(str, BATCH_SLOTS) and isinstance(v, dict) and v and all(
+        k in map(str, BATCH_SIZES) and isinstance(v, dict) and v and all(
             r.isdigit() and _is_positive(c) for r, c in v.items())
         for k, v in batches.items()), "batch_round_costs", batches,
-        f'an object of batch sizes ({", ".join(map(str, BATCH_SLOTS))}) to objects of row '
+        f'an object of batch sizes ({", ".join(map(str, BATCH_SIZES))}) to objects of row '
         'counts to positive numbers')
     graph = manifest.get("draft_graph", {})
     problem.require(isinstance(graph, dict) and is_int(graph.get("vocab", 1), 1),
@@ -230,7 +230,7 @@ def _check_file_list(manifest, problem):
     problem.require(isinstance(template, str), "chat_template", template, "a file name")
     graphs = _graphs(files)
     required = [f"{g}.{ext}" for g in graphs for ext in ("onnx", "data")] + \
-        [f"{batch_name(g, slots)}.onnx" for g in BATCH_GRAPHS for slots in BATCH_SLOTS] + \
+        [f"{batch_name(g, slots)}.onnx" for g in BATCH_GRAPHS for slots in BATCH_SIZES] + \
         list(TOKENIZER_FILES) + ([DRAFT_VOCAB] if DRAFT_GRAPH in graphs else [])
     for name in required:
         if name not in files:

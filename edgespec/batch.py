@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import asdict
 
-from .artifact import BATCH_SLOTS
+from .artifact import BATCH_SIZES
 from .engine import CHUNK
 from .errors import EdgespecError
 from .reply import Generation
@@ -21,7 +21,7 @@ from .sampling import Sampler
 from .stats import DecodeStats, DrafterStats
 
 PROMPT_ROWS = 64  # prompt rows a sequence adds to a round while others decode
-MOST_PARALLEL = max(BATCH_SLOTS)
+MOST_PARALLEL = max(BATCH_SIZES)
 
 
 class Request:

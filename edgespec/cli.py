@@ -224,7 +224,7 @@ def _bench_args(sub, common):
                    "(default: 3)")
     p.add_argument("--parallel", type=_parallel, nargs="+", metavar="N",
                    help="decode the prompts N at a time instead (1 to 8; several counts "
-                   "compare them), continuously: a finished reply's place goes to the next "
+                   "compare them), continuously: a finished reply's sequence goes to the next "
                    "prompt. Prints aggregate decode tokens/s against --parallel 1 (one reply "
                    "at a time) and plain decoding, and how many replies equal their solo run")
     p.add_argument("--json", metavar="OUT", help="write per-prompt results and summaries here")
@@ -311,7 +311,7 @@ def _serve_args(sub, common):
                    help="tokens each conversation holds, prompt and reply (default: the "
                    "artifact's context; less holds less memory)")
     p.add_argument("--queue", type=_positive, default=32,
-                   help="requests that may wait for a place (default: 32); more are "
+                   help="requests that may wait for a sequence (default: 32); more are "
                    "answered 503")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="BYTES",
                    help="largest request body; larger ones are refused with 413 (default: "
@@ -345,7 +345,7 @@ def _serve_args(sub, common):
 
 def _serve(args):
     try:
-        from .apps.server import places
+        from .apps.server import capacity
         from .apps.server.server import Limits, check_api_key, serve
     except ImportError as e:
         raise EdgespecError(f"edgespec serve needs the apps package ({e})") from e
@@ -355,14 +355,14 @@ def _serve(args):
     for key in keys:
         check_api_key(key)  # before the model loads: a bad key fails at once
     model = _load(args, args.max_context)
-    available = places.available_bytes()
-    parallel = args.parallel or places.default_parallel(model, available)
-    places.check_places(parallel, model.engine, available)
+    available = capacity.available_bytes()
+    parallel = args.parallel or capacity.default_parallel(model, available)
+    capacity.check_parallel(parallel, model.engine, available)
 
     def ready(address):
         url = f"http://{address[0]}:{address[1]}"
         auth = f"; the API needs {'a' if len(keys) > 1 else 'the'} key" if keys else ""
-        print(f"serving {model.artifact.path.name}: {places.statement(parallel, model.engine)}"
+        print(f"serving {model.artifact.path.name}: {capacity.statement(parallel, model.engine)}"
               f"\nchat page {url}/, API {url}/v1{auth}", file=sys.stderr, flush=True)
 
     serve(model, args.host, args.port, args.queue, limits=limits,

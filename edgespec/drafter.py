@@ -68,7 +68,7 @@ def average(mean, value):
     return value if mean is None else mean + SMOOTHING * (value - mean)
 
 
-class Pace:
+class PlainSpeed:
     """Plain decoding's measured speed, the yardstick a timed drafter is judged by (one per
     loaded model and draft policy)."""
 
@@ -92,6 +92,7 @@ class RoundCosts:
     sequence on the single-sequence graphs, and for 2 to 8 on the batch graphs."""
 
     def __init__(self, measured: dict, most: int):
+        self.measured = measured  # the manifest's round_costs and batch_round_costs
         self.single = costs_by_rows(measured.get("round_costs") or ROUND_COSTS, most)
         self.batch = {int(slots): costs_by_rows({1: 1.0, **by_rows}, most)
                       for slots, by_rows in (measured.get("batch_round_costs") or {}).items()}

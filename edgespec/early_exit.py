@@ -5,7 +5,7 @@ head on the newest exit state gives logits, from which `next_draft` draws a draf
 the generation's sampler, and lower runs on d. A confidence threshold ends the drafts
 early when the draft head's top probability falls below it.
 
-Adaptive, it is timed: plain steps give the baseline (Pace), and moving averages of its
+Adaptive, it is timed: plain steps give the baseline (PlainSpeed), and moving averages of its
 rounds' seconds and committed tokens its speed. When that falls below plain decoding's it
 is paused for a while (twice as long each time it loses again), then tried afresh:
 acceptance changes with the text. Its k starts at 2, doubles after a round that accepted

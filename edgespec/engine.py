@@ -41,7 +41,7 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state as ort_state
 
-from .artifact import BATCH_SLOTS, MANIFEST, PAD_ROWS, Artifact
+from .artifact import BATCH_SIZES, MANIFEST, PAD_ROWS, Artifact
 from .errors import EdgespecError
 from .sampling import ranked, row_top
 
@@ -563,12 +563,12 @@ class Engine:
 
     def forward(self, parts):
         """Run lower and upper on the rows of several sequences in one call each: `parts` is
-        [(sequence, first position, token ids)], at most max(BATCH_SLOTS) of them, each
+        [(sequence, first position, token ids)], at most max(BATCH_SIZES) of them, each
         within call_rows. A sequence forgets what it held from `first` on and holds the ids
         there after; the final states of all rows, packed in the parts' order, are what
         `head` reads (until the next call)."""
         batch = self._batch_graphs()
-        slots = next(s for s in BATCH_SLOTS if s >= len(parts))
+        slots = next(s for s in BATCH_SIZES if s >= len(parts))
         rows = sum(len(ids) for _, _, ids in parts)
         if rows > CHUNK:
             raise ValueError(f"{rows} rows do not fit one call ({CHUNK} at most)")
@@ -604,7 +604,7 @@ class Engine:
                                 "or load with device cpu")
 
     def _batch_graphs(self) -> "_BatchGraphs":
-        self.check_batch(max(BATCH_SLOTS))
+        self.check_batch(max(BATCH_SIZES))
         if self._batch is None:
             self._batch = _BatchGraphs(self)
         return self._batch
@@ -733,10 +733,10 @@ def batch_round_costs(engine: Engine, cached=200, repeat=9) -> dict:
         return {}
     cached = min(cached, engine.max_context // 2)
     positions = cached + max(BATCH_ROWS)  # what the measurement needs, not the context
-    sequences = [engine.new_sequence(positions) for _ in range(max(BATCH_SLOTS))]
+    sequences = [engine.new_sequence(positions) for _ in range(max(BATCH_SIZES))]
     ids = [i % engine.vocab_size for i in range(positions)]
     costs = {}
-    for slots in BATCH_SLOTS:
+    for slots in BATCH_SIZES:
         first = 0
         while first < cached:  # the prompt, on this size's own graphs
             count = engine.call_rows(first, min(cached - first, CHUNK // slots))

@@ -83,8 +83,8 @@ class Model:
         self.defaults = Settings(self.sampling,
                                  DraftPolicy.from_manifest(self.artifact.manifest.get("draft", {})))
         self.drafting = Drafting()  # each draft policy's drafters, kept across replies
-        self.costs = self._round_costs()  # what rounds cost here: the plans weigh drafts by it
-        self.round_costs = RoundCosts(self.costs, CHUNK)
+        # what rounds cost here: the planner weighs drafts by it
+        self.costs = RoundCosts(self._measured_costs(), CHUNK)
 
     def settings(self, **options) -> Settings:
         """The model's defaults with these options (validated: a SettingError names a bad one)."""
@@ -170,7 +170,7 @@ class Model:
 
     def _batch(self, parallel, sequences) -> Batch:
         make_text = functools.partial(ReplyText, self.codec, stop_ids=self.stop_ids)
-        return Batch(self.engine, self.drafting, self.round_costs, make_text, parallel,
+        return Batch(self.engine, self.drafting, self.costs, make_text, parallel,
                      sequences)
 
     def generate_many(self, prompts: list, parallel: int = 4, raw: bool = False,
@@ -185,7 +185,7 @@ class Model:
                 on_text(request.index, piece.text)
         return [r.result for r in requests]
 
-    def _round_costs(self) -> dict:
+    def _measured_costs(self) -> dict:
         """round_costs and batch_round_costs as in the manifest: its own when it measured
         them at the threads this engine runs with, else measured now (once, said in a
         line) and kept beside the artifact for the next load."""

@@ -24,7 +24,7 @@ One round, each sequence starting from its last committed token t (not yet in an
 import time
 from dataclasses import dataclass
 
-from .drafter import Pace
+from .drafter import PlainSpeed
 from .early_exit import EarlyExit
 from .lookup import PromptLookup
 from .sampling import top_probability
@@ -35,12 +35,12 @@ DRAFTERS = (PromptLookup, EarlyExit)
 
 
 class Drafting:
-    """The drafters of each draft policy used so far, with the Pace they are judged by:
+    """The drafters of each draft policy used so far, with the PlainSpeed they are judged by:
     what they learn (the early exit's timing, the replies lookup remembers) carries over
     from one reply to the next."""
 
     def __init__(self):
-        self.by_policy = {}  # policy -> (its Pace, its drafters)
+        self.by_policy = {}  # policy -> (its PlainSpeed, its drafters)
 
     def for_reply(self, settings, owner=None) -> tuple:
         """(pace, drafters) for a reply with these settings: none for plain decoding; each
@@ -48,7 +48,7 @@ class Drafting:
         with the same `owner`'s."""
         policy = settings.draft
         if policy not in self.by_policy:
-            pace = Pace()
+            pace = PlainSpeed()
             made = (cls.from_policy(policy, pace) for cls in DRAFTERS)
             self.by_policy[policy] = pace, [d for d in made if d is not None]
         pace, drafters = self.by_policy[policy]

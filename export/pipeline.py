@@ -11,7 +11,7 @@ from edgespec import __version__
 from edgespec.engine import cuda_problem, return_freed_memory, set_threads
 from edgespec.errors import EdgespecError
 
-from edgespec.artifact import BATCH_SLOTS, DRAFT_VOCAB
+from edgespec.artifact import BATCH_SIZES, DRAFT_VOCAB
 
 from . import cuda_ops, fidelity, memory, quality
 from .calibrate import ADAPTIVE, calibrate_draft, instructions, round_costs
@@ -290,7 +290,7 @@ class ArtifactBuilder:
             self.files.clear()
             # each layer's weights are dequantized, quantized and written in turn, once for
             # the graph of one sequence and its batch graphs (the same weights)
-            slot_counts = (1, *BATCH_SLOTS)
+            slot_counts = (1, *BATCH_SIZES)
             with progress(arch.num_layers + 1, f"building {blocks.precision} graphs (exit layer "
                           f"{exit_layer}): layers + head", unit="layer") as bar:
                 blocks.on_layer = lambda: bar.update(1)

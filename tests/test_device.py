@@ -11,7 +11,7 @@ from helpers import quiet
 
 import edgespec
 from edgespec import bench
-from edgespec.apps.server.places import check_places
+from edgespec.apps.server.places import check_parallel
 from edgespec.engine import CUDA, batch_round_costs, open_session
 from edgespec.errors import EdgespecError
 from edgespec.export.pipeline import export_model
@@ -88,7 +88,7 @@ def on_gpu(tiny_int4):
 def test_several_replies_at_once_are_refused_up_front_on_cuda(on_gpu):
     for start in (lambda: on_gpu.generate_many(["a", "b"], parallel=2),
                   lambda: on_gpu.batch(4),
-                  lambda: check_places(4, on_gpu.engine, None),
+                  lambda: check_parallel(4, on_gpu.engine, None),
                   lambda: on_gpu.engine.forward([])):
         with pytest.raises(EdgespecError) as error:
             start()

@@ -2,7 +2,7 @@
 the early exit's timing, and how the loop picks between their offers."""
 import pytest
 
-from edgespec.drafter import PROBE_STEPS, Offer, Pace, costs_by_rows
+from edgespec.drafter import PROBE_STEPS, Offer, PlainSpeed, costs_by_rows
 from edgespec.early_exit import FIRST_PAUSE, START_K, TRIAL_ROUNDS, EarlyExit
 from edgespec.lookup import (MAX_MATCH, MAX_NGRAM, MEMORY_TOKENS, PRIOR, Match, NgramIndex,
                              PromptLookup)
@@ -181,7 +181,7 @@ def test_a_fixed_policy_drafts_what_lookup_found_up_to_k():
 
 
 def early_exit(k_max=4, adaptive=True):
-    return EarlyExit(Pace(), k_max, adaptive=adaptive)
+    return EarlyExit(PlainSpeed(), k_max, adaptive=adaptive)
 
 
 def run_rounds(drafter, plain_s, round_s, tokens, rounds):
@@ -250,7 +250,7 @@ def test_a_new_prompt_keeps_a_losing_exit_paused():
 
 
 def test_lookup_leaves_a_round_to_an_early_exit_that_earns_more():
-    exit_, look = EarlyExit(Pace(), 4, adaptive=True), PromptLookup(8, True)
+    exit_, look = EarlyExit(PlainSpeed(), 4, adaptive=True), PromptLookup(8, True)
     weak = [5, 7, 1, 2, 9, 1, 2]             # "1 2" seen once before
     sure = [1, 2, 3, 4, 5, 6, 7] * 3 + [1, 2, 3, 4, 5, 6]  # a long run, always followed by 7
     assert offered([look, exit_], weak, 8, CPU_ROWS).drafter is look  # the exit is not measured yet

@@ -13,7 +13,7 @@ from helpers import (exchange, free_port, health, one_error_line, open_stream, r
                      run_cli, server_log, start_server, stop_server, wait_for, wait_idle)
 
 import edgespec
-from edgespec.apps.server import places
+from edgespec.apps.server import capacity
 from edgespec.errors import EdgespecError
 
 KEYS = ("sk-first-client", "sk-second-client")
@@ -241,9 +241,9 @@ def test_a_long_prompt_arriving_does_not_stall_the_streams_running(long_artifact
 def test_places_that_do_not_fit_are_refused_naming_what_would(tiny_int4):
     engine = edgespec.load(tiny_int4).engine
     each = engine.sequence_bytes
-    places.check_places(4, engine, 4 * each)  # fits exactly
+    capacity.check_parallel(4, engine, 4 * each)  # fits exactly
     with pytest.raises(EdgespecError) as refused:
-        places.check_places(4, engine, 3 * each)
+        capacity.check_parallel(4, engine, 3 * each)
     message = str(refused.value)
     assert message.startswith(f"--parallel 4 at --max-context {engine.max_context} needs")
     assert "--parallel 3 fits at that context" in message

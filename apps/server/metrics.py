@@ -85,8 +85,8 @@ class Metrics:
 
     def connection_closed(self, reason: str):
         """The server closed a connection: "timeout" (its request did not arrive whole in
-        time), "made_room" (it waited while a new one needed its place) or "turned_away"
-        (answered 503 at once, every place being busy)."""
+        time), "made_room" (it waited while a new one needed its sequence) or "turned_away"
+        (answered 503 at once, every sequence being busy)."""
         with self.lock:
             self.closed[reason] += 1
             if reason == "turned_away":  # its 503 is written by the accept loop, not a handler

@@ -3,9 +3,9 @@
 One worker thread owns the model and decodes up to `parallel` requests together, each
 round of the batch giving every running reply its next tokens (edgespec/batch.py); a reply
 is bit for bit the one it gets alone. Requests beyond those wait in a bounded queue (full:
-503 with Retry-After) and take a place, in arrival order, as soon as one is free. A
+503 with Retry-After) and take a sequence, in arrival order, as soon as one is free. A
 client that disconnects cancels its generation: the handler notices when a write fails or
-the socket closes, and its place is free after the next round.
+the socket closes, and its sequence is free after the next round.
 
 Cached prompts and the replies lookup drafting copies from are kept per owner: the API key
 a request came with, or its client's address on a server without keys.
@@ -53,7 +53,7 @@ class Job:
 
 class Worker(threading.Thread):
     """Owns the model and its batch; decodes up to `parallel` jobs together, taking queued
-    ones in arrival order as places free up. Every job gets a final event: {"finish",
+    ones in arrival order as sequences free up. Every job gets a final event: {"finish",
     "generated", "result": the Generation or None} or {"error"}."""
 
     def __init__(self, model, queue_size, parallel=1, metrics: Metrics = None):
