@@ -183,6 +183,7 @@ def run_parallel(model, rows, settings, parallels, repeat=1, progress=sys.stderr
             "vs_plain": speed / plain,
             "per_sequence_tok_s": statistics.median(r["per_sequence_tok_s"] for r in done),
             "tokens_per_round": statistics.median(r["tokens_per_round"] for r in done),
+            "accepted": done[-1]["accepted"],
             "identical_to_solo": f"{min(r['identical'] for r in done)}/{len(prompts)}"}
     return summary
 
@@ -210,7 +211,13 @@ def _run_batch(model, prompts, mode, parallel) -> dict:
             pass
         decode_s = time.perf_counter() - began - batch.prompt_seconds
         results = [m.result for m in requests]
+    accepted = {}  # drafter -> [accepted, drafted], all replies
+    for g in results:
+        for name, s in g.stats.drafters.items():
+            counts = accepted.setdefault(name, [0, 0])
+            counts[0], counts[1] = counts[0] + s.accepted, counts[1] + s.drafted
     return {"replies": [g.tokens for g in results],
+            "accepted": {name: f"{a}/{d}" for name, (a, d) in accepted.items() if d},
             "aggregate_decode_tok_s": sum(g.n_generated - 1 for g in results) / decode_s,
             "per_sequence_tok_s": statistics.median(g.decode_tokens_per_s for g in results),
             "tokens_per_round": statistics.mean(g.stats.tokens_per_round for g in results)}
@@ -218,13 +225,15 @@ def _run_batch(model, prompts, mode, parallel) -> dict:
 
 def parallel_table(summary) -> str:
     head = (f"{'parallel':>8} {'mode':12} {'aggregate tok/s':>15} {'x parallel 1':>12} "
-            f"{'x plain':>8} {'per-seq tok/s':>13} {'tok/round':>9} {'identical to solo':>17}")
+            f"{'x plain':>8} {'per-seq tok/s':>13} {'tok/round':>9} {'identical to solo':>17}  "
+            "drafts accepted")
     lines = [head, "-" * len(head)]
     for s in summary.values():
         lines.append(f"{s['parallel']:>8} {s['mode']:12} {s['aggregate_decode_tok_s']:>15.1f} "
                      f"{s['vs_parallel_1']:>11.2f}x {s['vs_plain']:>7.2f}x "
                      f"{s['per_sequence_tok_s']:>13.1f} {s['tokens_per_round']:>9.2f} "
-                     f"{s['identical_to_solo']:>17}")
+                     f"{s['identical_to_solo']:>17}  "
+                     + (", ".join(f"{n} {c}" for n, c in s["accepted"].items()) or "-"))
     return "\n".join(lines)
 
 
