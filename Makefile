@@ -1,4 +1,5 @@
-# Two entry points: `make demo` (export the bundled SmolLM2, print one reply) and `make test`.
+# Two entry points: `make demo` (export the bundled SmolLM2, print one reply) and `make test`
+# (`make test-fast`: the tests tests/conftest.py does not mark slow, in under 2 minutes).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,7 @@ GENAI_MODEL := models/peers/genai-int4
 LLAMA_CPP_PYTHON := 0.3.36
 LLAMA_CPP_SRC := .peers/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
 
-.PHONY: install xvfb chromium demo test clean peers peers-bench peers-bench-qwen fetch-models
+.PHONY: install xvfb chromium demo test test-fast clean peers peers-bench peers-bench-qwen fetch-models
 
 $(BIN)/edgespec: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +43,9 @@ chromium:
 
 test: install xvfb chromium
 	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
 
 # onnxruntime-genai and llama.cpp (llama-cpp-python, built from source: minutes) beside
 # edgespec in a venv of their own, and genai's int4 model of the same weights, built by its

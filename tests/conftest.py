@@ -4,9 +4,35 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 from helpers import make_checkpoint, quiet
 
 from edgespec.export.pipeline import export_model
+
+# torch's threads wait on each other when the cores are busy (a test's subprocesses, another
+# run): on 2 busy cores a tiny int4 export took 16 s at one thread, 99 s at two. One thread,
+# here and in the subprocesses (run_cli, servers), unless OMP_NUM_THREADS says otherwise.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# The fast tier, pytest -m "not slow" (make test-fast), runs in under 2 minutes on 2 cores: it
+# leaves out the tests on real models (their markers, the SmolLM2 fixtures), on the 32-layer
+# long_artifact or an X screen, and the files below, each ten seconds or more here (exports
+# and training of their own, long chats, a browser, a wheel build).
+SLOW_FIXTURES = {"smollm2_gguf", "long_artifact", "display"}
+SLOW_MARKERS = {"smollm2", "models"}
+SLOW_FILES = {"test_adapter.py", "test_budget.py", "test_chat.py", "test_defaults.py",
+              "test_draft.py", "test_export.py", "test_gguf.py", "test_gptq.py",
+              "test_gpu_check.py", "test_memory.py", "test_source_grid.py",
+              "test_speculative.py", "test_threads.py", "test_web_page.py", "test_wheel.py"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if (SLOW_FIXTURES & set(item.fixturenames)
+                or any(item.get_closest_marker(m) for m in SLOW_MARKERS)
+                or item.path.name in SLOW_FILES):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

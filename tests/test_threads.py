@@ -1,9 +1,20 @@
-"""Round costs measured at the threads the artifact runs with: export records its count, and
-a runtime with another count measures them again, once."""
+"""The threads a runtime asks for are the ones its sessions run on; round costs are measured
+at them: export records its count, and a runtime with another count measures them again,
+once."""
 import json
+import shutil
+import subprocess
+import sys
 
 import pytest
 from helpers import run_cli
+
+# the OS threads a load starts: the pool's workers, the thread that runs a session its last one
+POOL_WORKERS = """import os, sys
+import edgespec
+before = len(os.listdir("/proc/self/task"))
+model = edgespec.load(sys.argv[1], threads=int(sys.argv[2]))
+print(len(os.listdir("/proc/self/task")) - before, model.engine.threads)"""
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +34,17 @@ def exported(tiny_checkpoint, tmp_path_factory):
 
 def manifest(path):
     return json.loads((path / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_sessions_share_one_pool_of_the_threads_asked(tiny_int4, tmp_path, threads):
+    # a process of its own: the pool is made once per process; a copy: the load measures the
+    # round costs at this count and keeps them beside the artifact
+    artifact = shutil.copytree(tiny_int4, tmp_path / "copy")
+    done = subprocess.run([sys.executable, "-c", POOL_WORKERS, str(artifact), str(threads)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(threads - 1), str(threads)]
 
 
 def test_export_records_the_threads_its_round_costs_were_measured_at(exported):
