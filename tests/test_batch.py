@@ -98,7 +98,7 @@ def test_batch_graphs_give_every_row_its_solo_logits(tiny_int4):
 
 @pytest.mark.parametrize("parallel", [2, 3, 4, 8])
 def test_every_reply_equals_its_solo_run(tiny_int4, parallel):
-    """More prompts than places: sequences join as others end (different lengths and
+    """More prompts than sequences: sequences join as others end (different lengths and
     limits), greedy and sampled with settings of their own, with and without drafts."""
     model = edgespec.load(tiny_int4)
     prompts = prompts_for(model, 10, seed=parallel)

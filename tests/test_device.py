@@ -11,7 +11,7 @@ from helpers import quiet
 
 import edgespec
 from edgespec import bench
-from edgespec.apps.server.places import check_parallel
+from edgespec.apps.server.capacity import check_parallel
 from edgespec.engine import CUDA, batch_round_costs, open_session
 from edgespec.errors import EdgespecError
 from edgespec.export.pipeline import export_model

@@ -172,7 +172,7 @@ def test_a_connection_is_answered_503_only_when_every_place_is_busy_answering(ti
     running.recv(4096)
     queued = connect(tight.port)
     queued.sendall(request_bytes(chat_body("go", max_tokens=4000, ignore_eos=True)))
-    time.sleep(0.5)  # read and queued: both places now answer a request
+    time.sleep(0.5)  # read and queued: both sequences now answer a request
     with connect(tight.port) as over:
         status, head, body = read_response(over.makefile("rb"))
     assert status == 503 and head["retry-after"]

@@ -86,7 +86,7 @@ def test_a_request_cancelled_in_the_queue_ends_its_handler(guarded):
     wait_idle(port)
     idle = settled_threads(guarded.process)
     running = []
-    for taken in (1, 2):  # both places, one after the other: the queue holds one
+    for taken in (1, 2):  # both sequences, one after the other: the queue holds one
         running.append(open_stream(port)[0])
         wait_for(port, running=taken)
     waiting = socket.create_connection(("127.0.0.1", port))

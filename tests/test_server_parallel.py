@@ -1,6 +1,6 @@
 """`edgespec serve --parallel N`: replies decoded together, each equal to its solo reply;
-places freed by cancelled and dropped clients; arrival order; isolation between keys; the
-memory the places hold; no stall while a long prompt arrives."""
+sequences freed by cancelled and dropped clients; arrival order; isolation between keys; the
+memory the sequences hold; no stall while a long prompt arrives."""
 import json
 import shutil
 import socket
@@ -47,7 +47,7 @@ def server(lookup_only):
 
 @pytest.fixture(scope="module")
 def long_server(long_artifact):
-    """Replies slow enough to hold their places while a test looks."""
+    """Replies slow enough to hold their sequences while a test looks."""
     process, port = start_server(long_artifact, "--parallel", "2", "--allow-ignore-eos",
                                  "--queue", "4")
     yield port
@@ -150,7 +150,7 @@ def test_a_dropped_client_frees_its_place_for_the_next_in_line(long_server):
     first, _ = open_stream(long_server)
     second, _ = open_stream(long_server)
     wait_for(long_server, running=2)
-    third, _ = open_stream(long_server)  # waits: both places are taken
+    third, _ = open_stream(long_server)  # waits: both sequences are taken
     before = wait_for(long_server, queued=1)["cancelled"]
     first.close()
     deadline = time.monotonic() + 3  # the handler looks every 0.25 s, a round later it is free
@@ -236,7 +236,7 @@ def test_a_long_prompt_arriving_does_not_stall_the_streams_running(long_artifact
         stop_server(process)
 
 
-# -- the places' memory ----------------------------------------------------------------------
+# -- the sequences' memory ----------------------------------------------------------------------
 
 def test_places_that_do_not_fit_are_refused_naming_what_would(tiny_int4):
     engine = edgespec.load(tiny_int4).engine
