@@ -223,10 +223,8 @@ class Batch:
         if n > 1:  # every request's rows fit one call
             budgets = [min(b, engine.call_rows(len(r.history) - 1, CHUNK // n) - 1)
                        for b, r in zip(budgets, requests)]
-        drafted = sum(r.stats.drafted for r in requests)
-        committed = decode_round(engine, requests, budgets, self.costs)
-        self.rounds += 1
-        self.rows += n + sum(r.stats.drafted for r in requests) - drafted
+        committed, rows = decode_round(engine, requests, budgets, self.costs)
+        self.rounds, self.rows = self.rounds + 1, self.rows + rows
         events = []
         for r, tokens in zip(requests, committed):
             events += self._commit(r, tokens)

@@ -119,13 +119,15 @@ def worth(offer, cost) -> tuple:
     return k, (1.0 + sum(offer.chances[:k])) / cost(k + 1) if k else 0.0
 
 
-def best_offer(offers: list, cost, keep_planned: bool = False):
-    """The offer with the most expected tokens per plain step alone (ties: the earlier
-    drafter); None when none is made or, unless keep_planned, a planned one cannot beat a
-    plain step alone (among several sequences its rows may still pay: the cut decides)."""
-    scored = [(value, -i, o) for i, o in enumerate(offers)
+def best_offer(offers: list, cost, keep_planned: bool = False) -> tuple:
+    """(the offer with the most expected tokens per plain step alone, its drafts alone);
+    ties: the earlier drafter. (None, 0) when none is made or, unless keep_planned, a
+    planned one cannot beat a plain step alone (among several sequences its rows may still
+    pay: the cut decides)."""
+    scored = [(value, -i, o, k) for i, o in enumerate(offers)
               for k, value in [worth(o, cost)] if k or (keep_planned and o.chances)]
-    return max(scored, key=lambda s: s[:2])[2] if scored else None
+    best = max(scored, key=lambda s: s[:2], default=None)
+    return (best[2], best[3]) if best else (None, 0)
 
 
 def plan(sequences: list, budgets: list, costs) -> list:
@@ -133,17 +135,13 @@ def plan(sequences: list, budgets: list, costs) -> list:
     cost_by_rows = costs.for_sequences(len(sequences))
     if cost_by_rows is None:  # no measured cost for this many: plain steps
         return [Planned() for _ in sequences]
+    several = len(sequences) > 1
     planned = []
     for s, budget in zip(sequences, budgets):
         offers = [o for o in (d.offer(s.history, budget) for d in s.drafters if budget) if o]
-        offer = best_offer(offers, costs.single.__getitem__, len(sequences) > 1)
-        planned.append(Planned(offer, offer.k if offer else 0))
-    cut = [p for p in planned if p.offer is not None and p.offer.chances]
-    fixed_rows = sum(1 + p.count for p in planned if p not in cut)
-    counts = plan_drafts([p.offer.chances for p in cut], cost_by_rows.__getitem__,
-                         fixed_rows + len(cut), float(len(planned)))
-    for p, count in zip(cut, counts):
-        p.count = count
+        planned.append(Planned(*best_offer(offers, costs.single.__getitem__, several)))
+    if several:  # alone, its best count is the cut already
+        cut_drafts(planned, cost_by_rows.__getitem__)
     for p in planned:
         if p.offer is not None and p.offer.tokens:
             p.drafts = list(p.offer.tokens[:p.count])
@@ -152,12 +150,22 @@ def plan(sequences: list, budgets: list, costs) -> list:
     return planned
 
 
+def cut_drafts(planned: list, cost):
+    """Cut the planned offers' drafts (those with chances) together, by plan_drafts, the
+    other offers' rows counted in."""
+    cut = [p for p in planned if p.offer is not None and p.offer.chances]
+    base_rows = len(planned) + sum(p.count for p in planned) - sum(p.count for p in cut)
+    counts = plan_drafts([p.offer.chances for p in cut], cost, base_rows, float(len(planned)))
+    for p, count in zip(cut, counts):
+        p.count = count
+
+
 # -- the round ------------------------------------------------------------------------------
 
-def decode_round(engine, sequences: list, budgets: list, costs) -> list:
+def decode_round(engine, sequences: list, budgets: list, costs) -> tuple:
     """One round of the decoding sequences (objects with seq, history, sampler, drafters,
-    stats and pace; budgets: the most drafts each may verify): each one's committed tokens
-    (at least one), appended to its history."""
+    stats and pace; budgets: the most drafts each may verify): (each one's committed tokens,
+    at least one, appended to its history; the rows verified)."""
     timer = Timer([s.stats for s in sequences])
     for s in sequences:
         s.seq.rollback(len(s.history) - 1)  # what the last round drafted past t
@@ -175,7 +183,7 @@ def decode_round(engine, sequences: list, budgets: list, costs) -> list:
         commit(s, p, tokens, alone)
         committed.append(tokens)
     timer.charge("sampling")
-    return committed
+    return committed, rows
 
 
 def exit_drafts(engine, s, p: Planned, timer) -> list:

@@ -116,7 +116,7 @@ def lookup_k(drafter, match, budget):
 def offered(drafters, history, budget, costs=None):
     """The offer a round of one sequence takes, as the planner chooses it."""
     offers = [o for o in (d.offer(history, budget) for d in drafters) if o]
-    return best_offer(offers, cost(costs or {"1": 1.0}))
+    return best_offer(offers, cost(costs or {"1": 1.0}))[0]
 
 
 FREE_ROWS = {"1": 1.0, "64": 1.0}
